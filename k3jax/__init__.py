@@ -1,0 +1,16 @@
+"""k3jax: Kimi K3 in JAX / Flax NNX.
+
+    model = k3jax.from_pretrained("path/to/Kimi-K3", dtype="bfloat16")
+    logits = model(input_ids)                     # int32 [B, T] -> float32 [B, T, vocab]
+    new_ids = k3jax.generate(model, input_ids, max_new_tokens=32)
+"""
+
+from k3jax.config import ConfigError, K3Config
+from k3jax.generate import decode_step, generate, prefill
+from k3jax.model import K3Model, ModelCache, forward
+from k3jax.pretrained import from_pretrained
+
+__all__ = [
+    "ConfigError", "K3Config", "K3Model", "ModelCache", "decode_step", "forward", "from_pretrained", "generate",
+    "prefill",
+]

@@ -1,0 +1,70 @@
+"""The `k3jax` command line: `demo` and `generate`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+GOLDEN_TINY = Path(__file__).resolve().parents[1] / "tests" / "golden" / "k3-tiny-a"
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ids expects comma-separated integers, got {text!r}") from None
+
+
+def _run_generation(model_dir: Path, ids: list[int], max_new_tokens: int, temperature: float, dtype: str, seed: int) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    import k3jax
+
+    if dtype == "float32":
+        jax.config.update("jax_default_matmul_precision", "highest")
+    model = k3jax.from_pretrained(model_dir, dtype=dtype)
+    if not ids:
+        print("error: the prompt has no tokens", file=sys.stderr)
+        return 2
+    bad = [i for i in ids if not 0 <= i < model.config.vocab_size]
+    if bad:
+        print(f"error: token ids {bad} are outside the vocabulary [0, {model.config.vocab_size})", file=sys.stderr)
+        return 2
+    prompt = jnp.asarray([ids], jnp.int32)
+    k3jax.generate(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed).block_until_ready()
+    start = time.perf_counter()
+    new = np.asarray(k3jax.generate(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed))
+    elapsed = time.perf_counter() - start
+    print(f"model:  {model_dir} ({model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, {dtype})")
+    print(f"prompt: {ids}")
+    print(f"output: {new[0].tolist()}")
+    print(f"{max_new_tokens / elapsed:.1f} tokens/s (compiled, batch 1, {jax.devices()[0].platform})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="k3jax", description="Kimi K3 in JAX.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="greedy continuation of the embedded tiny K3 checkpoint")
+    demo.add_argument("--max-new-tokens", type=int, default=12)
+
+    gen = commands.add_parser("generate", help="continue a prompt of token ids")
+    gen.add_argument("--model", type=Path, required=True, help="Hugging Face release directory")
+    gen.add_argument("--ids", type=_parse_ids, required=True, help="prompt token ids, e.g. 1,2,3")
+    gen.add_argument("--max-new-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        prompt = np.load(GOLDEN_TINY / "reference" / "generate_fp32.npz")["prompt_ids"][0].tolist()
+        return _run_generation(GOLDEN_TINY, prompt, args.max_new_tokens, 0.0, "float32", 0)
+    return _run_generation(args.model, args.ids, args.max_new_tokens, args.temperature, args.dtype, args.seed)

@@ -1,0 +1,274 @@
+"""K3Config: the static description of a Kimi K3 text model, read from the release `config.json`.
+
+The release nests the text model under `text_config` of a `kimi_k3` wrapper; a bare text config
+(`model_type: kimi_linear`) is accepted too. Layer lists in `linear_attn_config` are 1-based.
+Every field the model uses is read explicitly; a missing key or a value this implementation does
+not support is an error that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+MixerKind = Literal["kda", "mla"]
+FfnKind = Literal["dense", "moe"]
+
+# Norm epsilons that the official code hard-codes rather than reading from the config.
+MLA_LOW_RANK_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use KimiRMSNorm's default eps.
+L2_NORM_EPS = 1e-6  # KDA q/k L2 norm: x * rsqrt(sum(x^2) + eps).
+
+_SUPPORTED_DTYPES = ("bfloat16", "float32", "float16")
+
+
+class ConfigError(ValueError):
+    """A config key is missing or has a value this implementation does not support."""
+
+
+@dataclasses.dataclass(frozen=True)
+class K3Config:
+    """Hyper-parameters of the K3 text tower. Frozen and hashable, so it can be a static jit argument."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    mixer_kinds: tuple[MixerKind, ...]
+    # KDA (linear_attn_config)
+    kda_num_heads: int
+    kda_head_dim: int
+    kda_conv_kernel: int
+    kda_gate_lower_bound: float
+    # Gated NoPE MLA
+    mla_num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # FFNs
+    first_k_dense_replace: int
+    intermediate_size: int
+    num_experts: int
+    num_experts_per_token: int
+    moe_intermediate_size: int
+    routed_expert_hidden_size: int
+    latent_moe_use_norm: bool
+    num_shared_experts: int
+    moe_renormalize: bool
+    routed_scaling_factor: float
+    situ_beta: float
+    situ_linear_beta: float | None
+    # Depth mixing and norms
+    attn_res_block_size: int
+    rms_norm_eps: float
+    # Token ids and storage dtype
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if len(self.mixer_kinds) != self.num_hidden_layers:
+            raise ConfigError(
+                f"mixer_kinds has {len(self.mixer_kinds)} entries, expected num_hidden_layers="
+                f"{self.num_hidden_layers}"
+            )
+        if self.dtype not in _SUPPORTED_DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not supported; expected one of {_SUPPORTED_DTYPES}")
+        if not 0 < self.num_experts_per_token <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_token={self.num_experts_per_token} must be in [1, num_experts={self.num_experts}]"
+            )
+
+    # ---- derived quantities -------------------------------------------------------------
+    @property
+    def ffn_kinds(self) -> tuple[FfnKind, ...]:
+        return tuple("dense" if i < self.first_k_dense_replace else "moe" for i in range(self.num_hidden_layers))
+
+    @property
+    def layer_kinds(self) -> tuple[tuple[MixerKind, FfnKind], ...]:
+        return tuple(zip(self.mixer_kinds, self.ffn_kinds))
+
+    @property
+    def kda_proj_dim(self) -> int:
+        return self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.num_shared_experts
+
+    @property
+    def num_attn_res_blocks(self) -> int:
+        """Blocks pushed over the whole depth (at layers 0, S, 2S, ...): the size of the AttnRes bank."""
+        return -(-self.num_hidden_layers // self.attn_res_block_size)
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, path_or_dict: str | Path | dict[str, Any], **overrides: Any) -> "K3Config":
+        """Read a release `config.json` (a path to it, its directory, or the parsed dict)."""
+        raw = _load_json(path_or_dict)
+        text = raw.get("text_config", raw) if raw.get("model_type") == "kimi_k3" else raw
+        if raw.get("model_type") == "kimi_k3" and "text_config" not in raw:
+            raise ConfigError("config of model_type 'kimi_k3' has no 'text_config'")
+        return dataclasses.replace(_parse_text_config(text, top=raw), **overrides)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _load_json(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(path_or_dict, dict):
+        return path_or_dict
+    path = Path(path_or_dict)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no config file at {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON: {err}") from err
+
+
+class _Reader:
+    """Typed access to one config dict with errors that name the full key."""
+
+    def __init__(self, data: dict[str, Any], prefix: str = "text_config") -> None:
+        self.data, self.prefix = data, prefix
+
+    def _raw(self, key: str, default: Any) -> Any:
+        if key in self.data and self.data[key] is not None:
+            return self.data[key]
+        if default is not _REQUIRED:
+            return default
+        raise ConfigError(f"config key {self.prefix}.{key} is missing")
+
+    def int(self, key: str, default: Any = None, *, minimum: int = 1) -> int:
+        value = self._raw(key, _REQUIRED if default is None else default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"config key {self.prefix}.{key}={value!r}: expected an integer >= {minimum}")
+        return value
+
+    def float(self, key: str, default: Any = None) -> float:
+        value = self._raw(key, _REQUIRED if default is None else default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key {self.prefix}.{key}={value!r}: expected a number")
+        return float(value)
+
+    def bool(self, key: str, default: Any = None) -> bool:
+        value = self._raw(key, _REQUIRED if default is None else default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key {self.prefix}.{key}={value!r}: expected true or false")
+        return value
+
+    def require(self, key: str, allowed: tuple[Any, ...], default: Any = None) -> Any:
+        value = self._raw(key, _REQUIRED if default is None else default)
+        if value not in allowed:
+            raise ConfigError(
+                f"config key {self.prefix}.{key}={value!r} is not supported; expected one of {list(allowed)}"
+            )
+        return value
+
+    def sub(self, key: str) -> "_Reader":
+        value = self._raw(key, _REQUIRED)
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {self.prefix}.{key} must be an object")
+        return _Reader(value, f"{self.prefix}.{key}")
+
+
+_REQUIRED = object()
+
+
+def _mixer_kinds(linear: _Reader, num_layers: int) -> tuple[MixerKind, ...]:
+    """Turn the 1-based kda_layers / full_attn_layers lists into one kind per 0-based layer."""
+    lists = {}
+    for key in ("kda_layers", "full_attn_layers"):
+        value = linear._raw(key, _REQUIRED)
+        if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+            raise ConfigError(f"config key {linear.prefix}.{key} must be a list of 1-based layer numbers")
+        bad = [i for i in value if not 1 <= i <= num_layers]
+        if bad:
+            raise ConfigError(
+                f"config key {linear.prefix}.{key} has {bad}: layer numbers are 1-based, expected 1..{num_layers}"
+            )
+        lists[key] = set(value)
+    both = lists["kda_layers"] & lists["full_attn_layers"]
+    neither = set(range(1, num_layers + 1)) - lists["kda_layers"] - lists["full_attn_layers"]
+    if both or neither:
+        raise ConfigError(
+            f"config keys {linear.prefix}.kda_layers/full_attn_layers must list every layer exactly once; "
+            f"in both: {sorted(both)}, in neither: {sorted(neither)}"
+        )
+    return tuple("kda" if i + 1 in lists["kda_layers"] else "mla" for i in range(num_layers))
+
+
+def _parse_text_config(text: dict[str, Any], top: dict[str, Any]) -> K3Config:
+    r = _Reader(text, "text_config" if text is not top else "config")
+    linear = r.sub("linear_attn_config")
+    num_layers = r.int("num_hidden_layers")
+    num_experts = r.int("num_experts")
+
+    r.require("hidden_act", ("situ",))
+    r.require("moe_router_activation_func", ("sigmoid",))
+    r.require("topk_method", ("noaux_tc",))
+    r.require("mla_use_nope", (True,))
+    r.require("mla_use_output_gate", (True,))
+    r.require("tie_word_embeddings", (False,), default=False)
+    r.require("moe_layer_freq", (1,), default=1)
+    linear.require("use_full_rank_gate", (True,))
+    if r.bool("use_grouped_topk", default=False):
+        groups = r.int("num_expert_group", default=1)
+        if r.int("topk_group", default=groups) != groups:
+            raise ConfigError(
+                "config keys text_config.topk_group/num_expert_group: group-limited routing is not supported "
+                "(K3 uses one group); expected topk_group == num_expert_group"
+            )
+    heads = r.int("num_attention_heads")
+    if r.int("num_key_value_heads", default=heads) != heads:
+        raise ConfigError("config key text_config.num_key_value_heads must equal num_attention_heads for MLA")
+    lower_bound = linear.float("gate_lower_bound")
+    if not lower_bound < 0:
+        raise ConfigError(f"config key {linear.prefix}.gate_lower_bound={lower_bound}: expected a negative number")
+    linear_beta = text.get("activation_situ_linear_beta")
+    dtype = top.get("dtype", top.get("torch_dtype", text.get("dtype", "bfloat16")))
+
+    return K3Config(
+        vocab_size=r.int("vocab_size"),
+        hidden_size=r.int("hidden_size"),
+        num_hidden_layers=num_layers,
+        mixer_kinds=_mixer_kinds(linear, num_layers),
+        kda_num_heads=linear.int("num_heads"),
+        kda_head_dim=linear.int("head_dim"),
+        kda_conv_kernel=linear.int("short_conv_kernel_size"),
+        kda_gate_lower_bound=lower_bound,
+        mla_num_heads=heads,
+        q_lora_rank=r.int("q_lora_rank"),
+        kv_lora_rank=r.int("kv_lora_rank"),
+        qk_nope_head_dim=r.int("qk_nope_head_dim"),
+        qk_rope_head_dim=r.int("qk_rope_head_dim", minimum=0),
+        v_head_dim=r.int("v_head_dim"),
+        first_k_dense_replace=r.int("first_k_dense_replace", minimum=0),
+        intermediate_size=r.int("intermediate_size"),
+        num_experts=num_experts,
+        num_experts_per_token=r.int("num_experts_per_token"),
+        moe_intermediate_size=r.int("moe_intermediate_size"),
+        routed_expert_hidden_size=r.int("routed_expert_hidden_size"),
+        latent_moe_use_norm=r.bool("latent_moe_use_norm"),
+        num_shared_experts=r.int("num_shared_experts", minimum=0),
+        moe_renormalize=r.bool("moe_renormalize"),
+        routed_scaling_factor=r.float("routed_scaling_factor"),
+        situ_beta=r.float("activation_situ_beta"),
+        situ_linear_beta=float(linear_beta) if linear_beta else None,
+        attn_res_block_size=r.int("attn_res_block_size"),
+        rms_norm_eps=r.float("rms_norm_eps"),
+        bos_token_id=top.get("bos_token_id", text.get("bos_token_id")),
+        eos_token_id=top.get("eos_token_id", text.get("eos_token_id")),
+        pad_token_id=top.get("pad_token_id", text.get("pad_token_id")),
+        dtype=str(dtype),
+    )

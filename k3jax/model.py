@@ -1,0 +1,187 @@
+"""K3Model: embeddings -> 93 decoder layers with Block AttnRes -> output AttnRes -> norm -> lm_head.
+
+The module is a pytree (Flax NNX, tree-clean): the forward pass is a pure function of the model
+and the token ids, jitted once. Layers follow `LayerPlan`: an unrolled head, groups whose parameters
+are stacked on a leading axis and run under `lax.scan`, and an unrolled tail. Attribute names
+follow the checkpoint's tensor names, so the loader maps parameters by path.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import K3Config
+from k3jax.layer_plan import plan_layers
+from k3jax.nn.attn_res import AttnResStream, attn_res_mix
+from k3jax.nn.decoder import DecoderLayer, LayerCache, LayerTaps
+from k3jax.nn.layers import F32, Linear, RMSNorm, declare, linear, normal_init
+from k3jax.nn.mla import MLACache
+
+
+class ModelCache(NamedTuple):
+    """Inference state: per-layer caches laid out like the layers, plus the number of tokens seen."""
+
+    head: tuple[LayerCache, ...]
+    groups: tuple[LayerCache, ...]  # one entry per position in a group, each stacked [G, ...]
+    tail: tuple[LayerCache, ...]
+    length: jax.Array  # int32 scalar
+
+    @property
+    def capacity(self) -> int:
+        for c in (*self.head, *self.groups, *self.tail):
+            if isinstance(c, MLACache):
+                return c.latent.shape[-2]
+        return 2**31 - 1  # a model without MLA layers has no per-token cache
+
+
+class ForwardOutput(NamedTuple):
+    logits: jax.Array  # [B, T, vocab] fp32
+    final_hidden: jax.Array  # after the final norm
+    final_attn_res: jax.Array  # the output AttnRes mix, input of the final norm
+    taps: tuple[LayerTaps, ...] | None  # per layer, when requested
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.weight = declare(rngs, (vocab, dim), dtype, ("vocab", "embed"), normal_init(1.0))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+def _stack(trees: list) -> object:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+class K3Model(nnx.Module):
+    def __init__(self, cfg: K3Config, layers: list[DecoderLayer], *, rngs: nnx.Rngs) -> None:
+        """Assemble a model from its decoder layers; embeddings, norms and head are declared here."""
+        if len(layers) != cfg.num_hidden_layers:
+            raise ValueError(f"got {len(layers)} decoder layers, config has num_hidden_layers={cfg.num_hidden_layers}")
+        dtype = jnp.dtype(cfg.dtype)
+        d = cfg.hidden_size
+        self.config = cfg
+        self.plan = plan_layers(cfg.layer_kinds)
+        self.embed_tokens = Embedding(cfg.vocab_size, d, dtype=dtype, rngs=rngs)
+        self.head_layers = nnx.List([layers[i] for i in self.plan.head])
+        groups = [
+            nnx.List(layers[self.plan.start + g * self.plan.period : self.plan.start + (g + 1) * self.plan.period])
+            for g in range(self.plan.num_groups)
+        ]
+        self.group_layers = _stack(groups) if groups else None
+        self.tail_layers = nnx.List([layers[i] for i in self.plan.tail])
+        self.output_attn_res_proj = Linear(d, 1, dtype=dtype, axes=(None, "embed"), rngs=rngs)
+        self.output_attn_res_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, axis="embed", rngs=rngs)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, axis="embed", rngs=rngs)
+        self.lm_head = Linear(d, cfg.vocab_size, dtype=dtype, axes=("vocab", "embed"), rngs=rngs, gain=2.0)
+
+    @classmethod
+    def init(cls, cfg: K3Config, *, seed: int = 0, moe_implementation: str = "auto") -> "K3Model":
+        """A randomly initialised model (tests, demos, abstract shapes via `nnx.eval_shape`)."""
+        rngs = nnx.Rngs(seed)
+        dtype = jnp.dtype(cfg.dtype)
+        layers = [
+            DecoderLayer(cfg, mixer, ffn, dtype=dtype, rngs=rngs, moe_implementation=moe_implementation)
+            for mixer, ffn in cfg.layer_kinds
+        ]
+        return cls(cfg, layers, rngs=rngs)
+
+    # ---- access by layer index ----------------------------------------------------------
+    def layer(self, index: int) -> DecoderLayer:
+        where, i, j = self.plan.slot(index)
+        if where == "head":
+            return self.head_layers[i]
+        if where == "tail":
+            return self.tail_layers[i]
+        return jax.tree.map(lambda a: a[i], self.group_layers)[j]
+
+    # ---- forward ------------------------------------------------------------------------
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        """int32 [B, T] -> float32 logits [B, T, vocab]."""
+        return forward(self, _check_ids(input_ids, self.config)).logits
+
+    def empty_cache(self, batch: int, capacity: int) -> ModelCache:
+        dtype = jnp.dtype(self.config.dtype)
+        make = lambda layer: layer.empty_cache(self.config, batch, capacity, dtype)  # noqa: E731
+        groups = ()
+        if self.group_layers is not None:
+            per_position = [make(layer) for layer in self.group_layers]
+            groups = tuple(_stack([c] * self.plan.num_groups) for c in per_position)
+        return ModelCache(
+            head=tuple(make(layer) for layer in self.head_layers),
+            groups=groups,
+            tail=tuple(make(layer) for layer in self.tail_layers),
+            length=jnp.zeros((), jnp.int32),
+        )
+
+
+def _check_ids(input_ids: jax.Array, cfg: K3Config) -> jax.Array:
+    ids = jnp.asarray(input_ids)
+    if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"input_ids must be an integer array [batch, seq]; got {ids.dtype} {ids.shape}")
+    if ids.shape[1] == 0:
+        raise ValueError("input_ids has no tokens (shape [batch, 0])")
+    return ids.astype(jnp.int32)
+
+
+def run_model(
+    model: K3Model, input_ids: jax.Array, cache: ModelCache | None = None, *, collect_taps: bool = False
+) -> tuple[ForwardOutput, ModelCache | None]:
+    """The whole forward pass. With a cache, the tokens continue the cached sequence."""
+    cfg, plan = model.config, model.plan
+    position = cache.length if cache is not None else jnp.zeros((), jnp.int32)
+    stream = AttnResStream.start(model.embed_tokens(input_ids), cfg.num_attn_res_blocks)
+    taps: list[LayerTaps] = []
+
+    def run_unrolled(layers, indices, caches):
+        nonlocal stream
+        new_caches = []
+        for k, (layer, index) in enumerate(zip(layers, indices)):
+            stream, new_cache, tap = layer(stream, index, caches[k] if caches else None, position)
+            new_caches.append(new_cache)
+            taps.append(tap)
+        return tuple(new_caches)
+
+    head = run_unrolled(model.head_layers, plan.head, cache.head if cache else None)
+
+    groups: tuple = ()
+    if model.group_layers is not None:
+        def group_step(carry, xs):
+            group, group_cache, g = xs
+            new_caches, group_taps = [], []
+            for j, layer in enumerate(group):
+                index = plan.start + g * plan.period + j
+                carry, new_cache, tap = layer(carry, index, group_cache[j] if cache else None, position)
+                new_caches.append(new_cache)
+                group_taps.append(tap if collect_taps else None)
+            return carry, (tuple(new_caches) if cache else None, tuple(group_taps))
+
+        xs = (model.group_layers, cache.groups if cache else None, jnp.arange(plan.num_groups))
+        stream, (groups, stacked_taps) = jax.lax.scan(group_step, stream, xs)
+        if collect_taps:
+            for g in range(plan.num_groups):
+                taps.extend(jax.tree.map(lambda a: a[g], tap) for tap in stacked_taps)
+        groups = groups or ()
+
+    tail = run_unrolled(model.tail_layers, plan.tail, cache.tail if cache else None)
+
+    final_mix = attn_res_mix(
+        stream, model.output_attn_res_proj.weight[...][0], model.output_attn_res_norm.weight[...], cfg.rms_norm_eps
+    )
+    hidden = model.norm(final_mix)
+    logits = linear(hidden, model.lm_head.weight[...]).astype(F32)
+    out = ForwardOutput(logits, hidden, final_mix, tuple(taps) if collect_taps else None)
+    new_cache = ModelCache(head, groups, tail, position + input_ids.shape[1]) if cache is not None else None
+    return out, new_cache
+
+
+@functools.partial(jax.jit, static_argnames=("collect_taps",))
+def forward(model: K3Model, input_ids: jax.Array, *, collect_taps: bool = False) -> ForwardOutput:
+    """Jitted forward without a cache (training, scoring, teacher-forced checks)."""
+    return run_model(model, input_ids, collect_taps=collect_taps)[0]
+

@@ -1,0 +1,1 @@
+"""Flax NNX modules of the Kimi K3 text tower, one component per file."""

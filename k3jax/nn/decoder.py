@@ -1,0 +1,92 @@
+"""One K3 decoder layer: AttnRes mix -> norm -> mixer, AttnRes mix -> norm -> FFN, with the block schedule.
+
+Schedule per layer l (block size S, k3-architecture.md §2.2):
+  x = mix(bank + prefix)            (at l = 0 only the embeddings exist, so the mix is the identity)
+  if l % S == 0: push prefix to the bank, start an empty block
+  prefix += mixer(input_layernorm(x))
+  x = mix(bank + prefix);  prefix += ffn(post_attention_layernorm(x))
+`layer_index` may be a traced scalar, so the same code runs unrolled or inside a `lax.scan`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import FfnKind, K3Config, MixerKind
+from k3jax.nn.attn_res import AttnResStream, attn_res_mix
+from k3jax.nn.kda import KDACache, KimiDeltaAttention
+from k3jax.nn.layers import Linear, RMSNorm
+from k3jax.nn.mla import GatedMLA, MLACache
+from k3jax.nn.moe import LatentMoE
+from k3jax.nn.situ import SiTUMLP
+
+LayerCache = KDACache | MLACache
+
+
+class LayerTaps(NamedTuple):
+    """Intermediate values of one layer, for layer-by-layer checks against the reference."""
+
+    attn_in: jax.Array
+    attn_out: jax.Array
+    mlp_in: jax.Array
+    mlp_out: jax.Array
+    router_ids: jax.Array | None
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(
+        self, cfg: K3Config, mixer: MixerKind, ffn: FfnKind, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+        moe_implementation: str = "auto",
+    ) -> None:
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attention_res_proj = Linear(d, 1, dtype=dtype, axes=(None, "embed"), rngs=rngs)
+        self.self_attention_res_norm = RMSNorm(d, eps, dtype=dtype, axis="embed", rngs=rngs)
+        self.input_layernorm = RMSNorm(d, eps, dtype=dtype, axis="embed", rngs=rngs)
+        self.self_attn = (
+            KimiDeltaAttention(cfg, dtype=dtype, rngs=rngs) if mixer == "kda" else GatedMLA(cfg, dtype=dtype, rngs=rngs)
+        )
+        self.mlp_res_proj = Linear(d, 1, dtype=dtype, axes=(None, "embed"), rngs=rngs)
+        self.mlp_res_norm = RMSNorm(d, eps, dtype=dtype, axis="embed", rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(d, eps, dtype=dtype, axis="embed", rngs=rngs)
+        if ffn == "dense":
+            self.mlp = SiTUMLP(d, cfg.intermediate_size, cfg.situ_beta, cfg.situ_linear_beta, dtype=dtype,
+                               mlp_axis="mlp", rngs=rngs)
+        else:
+            self.block_sparse_moe = LatentMoE(cfg, dtype=dtype, rngs=rngs, implementation=moe_implementation)
+        self.mixer_kind, self.ffn_kind = mixer, ffn
+        self.block_size, self.eps = cfg.attn_res_block_size, eps
+
+    def __call__(
+        self, stream: AttnResStream, layer_index: jax.Array | int, cache: LayerCache | None = None,
+        position: jax.Array | int = 0,
+    ) -> tuple[AttnResStream, LayerCache | None, LayerTaps]:
+        attn_in = self._mix(stream, self.self_attention_res_proj, self.self_attention_res_norm)
+        stream = stream.push_block_if(layer_index % self.block_size == 0)
+
+        mixer_in = self.input_layernorm(attn_in)
+        if self.mixer_kind == "kda":
+            attn_out, cache = self.self_attn(mixer_in, cache)
+        else:
+            attn_out, cache = self.self_attn(mixer_in, cache, position)
+        stream = stream.add(attn_out)
+
+        mlp_in = self._mix(stream, self.mlp_res_proj, self.mlp_res_norm)
+        ffn_in = self.post_attention_layernorm(mlp_in)
+        if self.ffn_kind == "dense":
+            mlp_out, router_ids = self.mlp(ffn_in), None
+        else:
+            mlp_out, router_ids = self.block_sparse_moe(ffn_in)
+        stream = stream.add(mlp_out)
+        return stream, cache, LayerTaps(attn_in, attn_out, mlp_in, mlp_out, router_ids)
+
+    def _mix(self, stream: AttnResStream, proj: Linear, norm: RMSNorm) -> jax.Array:
+        return attn_res_mix(stream, proj.weight[...][0], norm.weight[...], self.eps)
+
+    def empty_cache(self, cfg: K3Config, batch: int, capacity: int, dtype: jnp.dtype) -> LayerCache:
+        if self.mixer_kind == "kda":
+            return KDACache.empty(cfg, batch, dtype)
+        return MLACache.empty(cfg, batch, capacity, dtype)

@@ -1,0 +1,131 @@
+"""Kimi Delta Attention layer: gated delta-rule linear attention with a lower-bounded forget gate.
+
+Data path (k3-architecture.md §6.2, kda.md §1): q/k/v projections -> depthwise causal conv (kernel
+W, SiLU, fp32 weights) -> L2-normalised q, k -> per-channel log-decay
+g = lb * sigmoid(exp(A_log[h]) * (f_b(f_a(x)) + dt_bias)) and beta = sigmoid(b_proj x), both fp32
+-> KDA recurrence with an fp32 state -> per-head RMSNorm * sigmoid(g_proj x) -> o_proj.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import L2_NORM_EPS, K3Config
+from k3jax.nn.layers import F32, Linear, constant_init, declare, normal_init
+from pallas_kernels.kda import chunk_kda, kda_decode
+
+
+class KDACache(NamedTuple):
+    state: jax.Array  # [B, H, K, V] fp32 recurrent state
+    conv: jax.Array  # [B, W-1, 3P] last W-1 raw (pre-conv) q|k|v projections, activation dtype
+
+    @classmethod
+    def empty(cls, cfg: K3Config, batch: int, dtype: jnp.dtype) -> "KDACache":
+        h, d = cfg.kda_num_heads, cfg.kda_head_dim
+        return cls(
+            state=jnp.zeros((batch, h, d, d), F32),
+            conv=jnp.zeros((batch, cfg.kda_conv_kernel - 1, 3 * cfg.kda_proj_dim), dtype),
+        )
+
+
+class ShortConv(nnx.Module):
+    """Depthwise causal convolution weight, stored [P, 1, W] in fp32 like the release."""
+
+    def __init__(self, channels: int, kernel: int, *, rngs: nnx.Rngs) -> None:
+        self.weight = declare(rngs, (channels, 1, kernel), F32, ("kda_proj", None, None), normal_init(0.5))
+
+
+def causal_conv_silu(x: jax.Array, weight: jax.Array, left: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """y[t] = silu(sum_j w[:, j] * x[t - W + 1 + j]) in fp32, with `left` the W-1 inputs before x.
+
+    Returns the activation-dtype output and the new left context (last W-1 raw inputs).
+    """
+    width = weight.shape[-1]
+    seq = x.shape[1]
+    full = jnp.concatenate([left.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
+    w = weight[:, 0, :].astype(F32)  # [C, W]
+    y = sum(full[:, j : j + seq].astype(F32) * w[:, j] for j in range(width))
+    return jax.nn.silu(y).astype(x.dtype), full[:, seq:]
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    x32 = x.astype(F32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2_NORM_EPS)).astype(x.dtype)
+
+
+def gated_head_rms_norm(o: jax.Array, weight: jax.Array, gate: jax.Array, eps: float) -> jax.Array:
+    """FusedRMSNormGated: per-head RMSNorm x gain x sigmoid(gate), all fp32, result in o's dtype."""
+    o32 = o.astype(F32)
+    normed = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(F32) * jax.nn.sigmoid(gate.astype(F32))).astype(o.dtype)
+
+
+class KimiDeltaAttention(nnx.Module):
+    def __init__(self, cfg: K3Config, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        d, p, h, k = cfg.hidden_size, cfg.kda_proj_dim, cfg.kda_num_heads, cfg.kda_head_dim
+        proj_axes = ("kda_proj", "embed")
+        self.q_proj = Linear(d, p, dtype=dtype, axes=proj_axes, rngs=rngs)
+        self.k_proj = Linear(d, p, dtype=dtype, axes=proj_axes, rngs=rngs)
+        self.v_proj = Linear(d, p, dtype=dtype, axes=proj_axes, rngs=rngs)
+        self.q_conv1d = ShortConv(p, cfg.kda_conv_kernel, rngs=rngs)
+        self.k_conv1d = ShortConv(p, cfg.kda_conv_kernel, rngs=rngs)
+        self.v_conv1d = ShortConv(p, cfg.kda_conv_kernel, rngs=rngs)
+        self.f_a_proj = Linear(d, k, dtype=dtype, axes=(None, "embed"), rngs=rngs)
+        self.f_b_proj = Linear(k, p, dtype=dtype, axes=("kda_proj", None), rngs=rngs, gain=0.5)
+        self.dt_bias = declare(rngs, (p,), F32, ("kda_proj",), normal_init(0.5))
+        self.A_log = declare(
+            rngs, (h,), F32, ("kda_heads",), lambda key, s, t: jnp.log(jax.random.uniform(key, s, t, 1.0, 16.0))
+        )
+        self.b_proj = Linear(d, h, dtype=dtype, axes=("kda_heads", "embed"), rngs=rngs)
+        self.g_proj = Linear(d, p, dtype=dtype, axes=proj_axes, rngs=rngs)
+        self.o_norm = _Gain(k, rngs=rngs)
+        self.o_proj = Linear(p, d, dtype=dtype, axes=("embed", "kda_proj"), rngs=rngs, gain=0.5)
+        self.num_heads, self.head_dim = h, k
+        self.lower_bound, self.norm_eps = cfg.kda_gate_lower_bound, cfg.rms_norm_eps
+
+    def __call__(self, x: jax.Array, cache: KDACache | None = None) -> tuple[jax.Array, KDACache | None]:
+        """x [B, T, D] (already input-normalised). With a cache, continues from it (T == 1: decode step)."""
+        batch, seq, _ = x.shape
+        h, k = self.num_heads, self.head_dim
+        raw = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)  # [B, T, 3P]
+        conv_weight = jnp.concatenate(
+            [self.q_conv1d.weight[...], self.k_conv1d.weight[...], self.v_conv1d.weight[...]], axis=0
+        )
+        left = cache.conv if cache is not None else jnp.zeros((batch, conv_weight.shape[-1] - 1, raw.shape[-1]), x.dtype)
+        qkv, conv_tail = causal_conv_silu(raw, conv_weight, left)
+        q, key, v = (t.reshape(batch, seq, h, k) for t in jnp.split(qkv, 3, axis=-1))
+        q, key = l2_normalize(q), l2_normalize(key)
+        g, beta = self.decay_and_beta(x)
+
+        if cache is not None and seq == 1:
+            o, state = kda_decode(q[:, 0], key[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state)
+            o = o[:, None]
+        else:
+            initial = cache.state if cache is not None else None
+            o, state = chunk_kda(q, key, v, g, beta, initial_state=initial, output_final_state=cache is not None)
+
+        gate = self.g_proj(x).reshape(batch, seq, h, k)
+        o = gated_head_rms_norm(o, self.o_norm.weight[...], gate, self.norm_eps)
+        out = self.o_proj(o.reshape(batch, seq, h * k))
+        return out, (KDACache(state, conv_tail) if cache is not None else None)
+
+    def decay_and_beta(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The lower-bounded log-decay g [B, T, H, K] in (lb, 0) and beta [B, T, H], both fp32."""
+        batch, seq, _ = x.shape
+        z = self.f_b_proj(self.f_a_proj(x)).astype(F32).reshape(batch, seq, self.num_heads, self.head_dim)
+        z = z + self.dt_bias[...].reshape(self.num_heads, self.head_dim)
+        a = jnp.exp(self.A_log[...])[:, None]  # [H, 1]
+        g = self.lower_bound * jax.nn.sigmoid(a * z)
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(F32))
+        return g, beta
+
+
+class _Gain(nnx.Module):
+    """The fp32 per-head output-norm gain `o_norm.weight` [head_dim]."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs) -> None:
+        self.weight = declare(rngs, (dim,), F32, (None,), constant_init(1.0))

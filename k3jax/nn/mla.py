@@ -1,0 +1,98 @@
+"""Gated NoPE MLA: DeepSeek multi-head latent attention without rotary embeddings, with a sigmoid output gate.
+
+The 'rope' dims are concatenated unrotated; k_pe is one key part shared by all heads and is not
+normalised; scale (nope + rope)^-0.5; o *= sigmoid(g_proj x) before o_proj (k3-architecture.md §6.1).
+The cache holds the per-token latent (normalised c_kv || k_pe), and single-token decode runs in the
+absorbed form: W_UK folded into the query, W_UV applied after attending over the latents.
+Softmax and scores are fp32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import MLA_LOW_RANK_NORM_EPS, K3Config
+from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm
+
+
+class MLACache(NamedTuple):
+    latent: jax.Array  # [B, S, kv_lora_rank + qk_rope_head_dim], activation dtype
+
+    @classmethod
+    def empty(cls, cfg: K3Config, batch: int, capacity: int, dtype: jnp.dtype) -> "MLACache":
+        return cls(jnp.zeros((batch, capacity, cfg.kv_lora_rank + cfg.qk_rope_head_dim), dtype))
+
+
+class GatedMLA(nnx.Module):
+    def __init__(self, cfg: K3Config, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        d, h = cfg.hidden_size, cfg.mla_num_heads
+        self.q_a_proj = Linear(d, cfg.q_lora_rank, dtype=dtype, axes=("q_lora", "embed"), rngs=rngs)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, MLA_LOW_RANK_NORM_EPS, dtype=dtype, axis="q_lora", rngs=rngs)
+        self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype=dtype, axes=("mla_proj", "q_lora"), rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(
+            d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=dtype, axes=("kv_lora", "embed"), rngs=rngs
+        )
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, MLA_LOW_RANK_NORM_EPS, dtype=dtype, axis="kv_lora", rngs=rngs)
+        self.kv_b_proj = Linear(
+            cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype=dtype,
+            axes=("mla_proj", "kv_lora"), rngs=rngs,
+        )
+        self.g_proj = Linear(d, h * cfg.v_head_dim, dtype=dtype, axes=("mla_proj", "embed"), rngs=rngs)
+        self.o_proj = Linear(h * cfg.v_head_dim, d, dtype=dtype, axes=("embed", "mla_proj"), rngs=rngs)
+        self.num_heads, self.kv_lora_rank = h, cfg.kv_lora_rank
+        self.nope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.scale = cfg.qk_head_dim**-0.5
+
+    def __call__(
+        self, x: jax.Array, cache: MLACache | None = None, position: jax.Array | int = 0
+    ) -> tuple[jax.Array, MLACache | None]:
+        """x [B, T, D]. With a cache, the T new tokens sit at positions [position, position + T)."""
+        batch, seq, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).reshape(batch, seq, self.num_heads, -1)
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = jnp.concatenate([self.kv_a_layernorm(ckv[..., : self.kv_lora_rank]), ckv[..., self.kv_lora_rank :]], -1)
+
+        query_pos = position + jnp.arange(seq)
+        if cache is None:
+            latents, key_pos = latent, jnp.arange(seq)
+        else:
+            latents = jax.lax.dynamic_update_slice_in_dim(cache.latent, latent.astype(cache.latent.dtype), position, 1)
+            key_pos = jnp.arange(latents.shape[1])
+        mask = key_pos[None, :] <= query_pos[:, None]  # [T, S] causal (also hides unwritten cache rows)
+
+        if cache is not None and seq == 1:
+            o = self._attend_absorbed(q, latents, mask)
+        else:
+            o = self._attend_expanded(q, latents, mask)
+        o = o.reshape(batch, seq, self.num_heads * self.v_dim)
+        o = o * jax.nn.sigmoid(self.g_proj(x))
+        return self.o_proj(o), (MLACache(latents) if cache is not None else None)
+
+    def _attend_expanded(self, q: jax.Array, latents: jax.Array, mask: jax.Array) -> jax.Array:
+        """Per-head keys/values re-expanded from the latents with kv_b_proj (prefill)."""
+        batch, keys, _ = latents.shape
+        kv = self.kv_b_proj(latents[..., : self.kv_lora_rank].astype(q.dtype)).reshape(batch, keys, self.num_heads, -1)
+        k_nope, v = kv[..., : self.nope_dim], kv[..., self.nope_dim :]
+        k_pe = jnp.broadcast_to(latents[:, :, None, self.kv_lora_rank :].astype(q.dtype), (*k_nope.shape[:3], q.shape[-1] - self.nope_dim))
+        k = jnp.concatenate([k_nope, k_pe], axis=-1)
+        scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=F32) * self.scale
+        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(q.dtype)
+        return jnp.einsum("bhts,bshd->bthd", probs, v, preferred_element_type=F32).astype(q.dtype)
+
+    def _attend_absorbed(self, q: jax.Array, latents: jax.Array, mask: jax.Array) -> jax.Array:
+        """Attention in latent space: scores q_nope W_UK . c + q_pe . k_pe; output (p . c) W_UV^T. fp32."""
+        w = self.kv_b_proj.weight[...].astype(F32).reshape(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
+        q32 = q.astype(F32)
+        c = latents[..., : self.kv_lora_rank].astype(F32)
+        k_pe = latents[..., self.kv_lora_rank :].astype(F32)
+        q_latent = jnp.einsum("bthd,hdr->bthr", q32[..., : self.nope_dim], w_uk, precision=HIGHEST)
+        scores = jnp.einsum("bthr,bsr->bhts", q_latent, c, precision=HIGHEST)
+        scores = scores + jnp.einsum("bthd,bsd->bhts", q32[..., self.nope_dim :], k_pe, precision=HIGHEST)
+        probs = jax.nn.softmax(jnp.where(mask, scores * self.scale, -jnp.inf), axis=-1)
+        o_latent = jnp.einsum("bhts,bsr->bthr", probs, c, precision=HIGHEST)
+        return jnp.einsum("bthr,hvr->bthv", o_latent, w_uv, precision=HIGHEST).astype(q.dtype)

@@ -1,0 +1,88 @@
+"""Stable LatentMoE: sigmoid-routed experts that run in a latent space, plus full-width shared experts.
+
+Router (fp32, on the full-width input): scores = sigmoid(x W_g^T); experts chosen by top-k of
+scores + e_score_correction_bias (the Quantile-Balancing bias, selection only); weights are the
+unbiased scores of the chosen experts, renormalised and scaled. Routed path: down-project to the
+latent width, run the chosen SiTU-GLU experts, weighted sum in fp32, RMSNorm, up-project. Shared
+experts see the full-width input (k3-architecture.md §4).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import K3Config
+from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm, constant_init, declare, normal_init
+from k3jax.nn.situ import SiTUMLP
+from pallas_kernels.moe import routed_experts
+
+
+def route_topk(
+    x: jax.Array, gate_weight: jax.Array, bias: jax.Array, top_k: int, renormalize: bool, scaling: float
+) -> tuple[jax.Array, jax.Array]:
+    """x [N, D] -> (weights [N, k] fp32, expert ids [N, k] int32)."""
+    logits = jnp.einsum("nd,ed->ne", x.astype(F32), gate_weight.astype(F32), precision=HIGHEST)
+    scores = jax.nn.sigmoid(logits)
+    _, ids = jax.lax.top_k(scores + bias.astype(F32), top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scaling, ids.astype(jnp.int32)
+
+
+class RouterGate(nnx.Module):
+    def __init__(self, hidden: int, num_experts: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.weight = declare(rngs, (num_experts, hidden), dtype, ("exp", "embed"), normal_init(hidden**-0.5))
+        self.e_score_correction_bias = declare(rngs, (num_experts,), F32, ("exp",), normal_init(0.1))
+
+
+class RoutedExperts(nnx.Module):
+    """All routed experts stacked: w1 (gate), w3 (up) [E, F, latent]; w2 (down) [E, latent, F]."""
+
+    def __init__(self, num_experts: int, latent: int, inter: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        up_axes = ("exp", "mlp_moe", "embed_moe")
+        self.w1 = declare(rngs, (num_experts, inter, latent), dtype, up_axes, normal_init(1.5 / latent**0.5))
+        self.w3 = declare(rngs, (num_experts, inter, latent), dtype, up_axes, normal_init(1 / latent**0.5))
+        self.w2 = declare(
+            rngs, (num_experts, latent, inter), dtype, ("exp", "embed_moe", "mlp_moe"), normal_init(1 / inter**0.5)
+        )
+
+
+class LatentMoE(nnx.Module):
+    def __init__(self, cfg: K3Config, *, dtype: jnp.dtype, rngs: nnx.Rngs, implementation: str = "auto") -> None:
+        d, latent = cfg.hidden_size, cfg.routed_expert_hidden_size
+        self.gate = RouterGate(d, cfg.num_experts, dtype=dtype, rngs=rngs)
+        self.routed_expert_down_proj = Linear(d, latent, dtype=dtype, axes=("embed_moe", "embed"), rngs=rngs)
+        self.experts = RoutedExperts(cfg.num_experts, latent, cfg.moe_intermediate_size, dtype=dtype, rngs=rngs)
+        self.routed_expert_norm = (
+            RMSNorm(latent, cfg.rms_norm_eps, dtype=dtype, axis="embed_moe", rngs=rngs) if cfg.latent_moe_use_norm else None
+        )
+        self.routed_expert_up_proj = Linear(latent, d, dtype=dtype, axes=("embed", "embed_moe"), rngs=rngs, gain=0.2)
+        self.shared_experts = (
+            SiTUMLP(d, cfg.shared_intermediate_size, cfg.situ_beta, cfg.situ_linear_beta, dtype=dtype,
+                    mlp_axis="mlp", rngs=rngs)
+            if cfg.num_shared_experts else None
+        )
+        self.top_k, self.renormalize, self.scaling = cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor
+        self.beta, self.linear_beta = cfg.situ_beta, cfg.situ_linear_beta
+        self.implementation = implementation
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B, T, D] (post-attention-normalised) -> (output [B, T, D], chosen expert ids [B, T, k])."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = route_topk(
+            flat, self.gate.weight[...], self.gate.e_score_correction_bias[...], self.top_k, self.renormalize, self.scaling
+        )
+        latent_in = self.routed_expert_down_proj(flat)
+        mixed = routed_experts(
+            latent_in, self.experts.w1[...], self.experts.w2[...], self.experts.w3[...], weights, ids,
+            beta=self.beta, linear_beta=self.linear_beta, implementation=self.implementation,
+        ).astype(x.dtype)
+        if self.routed_expert_norm is not None:
+            mixed = self.routed_expert_norm(mixed)
+        out = self.routed_expert_up_proj(mixed)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.reshape(x.shape), ids.reshape(*x.shape[:-1], -1)

@@ -1,0 +1,1 @@
+"""Pallas kernels for Kimi K3 with pure-JAX references."""

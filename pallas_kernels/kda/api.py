@@ -1,0 +1,125 @@
+"""Public KDA entry points: input validation and implementation dispatch.
+
+Conventions follow fla's ``chunk_kda`` with a pre-activated gate (see ``reference.py``).
+The dispatch is kept even though only the XLA reference exists today, so Pallas kernels
+can slot in behind ``implementation="pallas"`` / ``"auto"`` without touching callers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda.reference import chunked_kda, host_offsets, recurrent_kda_step
+
+Implementation = Literal["auto", "xla", "pallas"]
+_IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+
+def _expect_rank(name: str, x: jax.Array, rank: int, layout: str) -> None:
+    if x.ndim != rank:
+        raise ValueError(f"{name}: expected rank {rank} {layout}, got shape {tuple(x.shape)}")
+
+
+def _expect_shape(name: str, x: jax.Array, expected: tuple[int, ...], layout: str) -> None:
+    if tuple(x.shape) != expected:
+        raise ValueError(f"{name}: expected shape {expected} {layout}, got {tuple(x.shape)}")
+
+
+def _expect_state(name: str, x: jax.Array, expected: tuple[int, ...], layout: str) -> None:
+    _expect_shape(name, x, expected, layout)
+    if x.dtype != jnp.float32:
+        raise ValueError(f"{name}: expected dtype float32 (states are kept in fp32), got {x.dtype}")
+
+
+def _select(implementation: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """Pick the operator; "auto" falls back to the XLA reference until Pallas kernels land."""
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation: expected one of {_IMPLEMENTATIONS}, got {implementation!r}"
+        )
+    if implementation == "pallas":
+        raise NotImplementedError(
+            f"implementation='pallas': no Pallas KDA kernel is available on this platform "
+            f"({jax.default_backend()}) yet; use implementation='xla' or 'auto'."
+        )
+    return chunked_kda
+
+
+def chunk_kda(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: object | None = None,
+    implementation: Implementation = "auto",
+) -> tuple[jax.Array, jax.Array | None]:
+    """Chunked KDA over a sequence (prefill / training).
+
+    q, k [B, T, H, K] L2-normalised; v [B, T, H, V]; g [B, T, H, K] log-decay <= 0;
+    beta [B, T, H]; initial_state fp32 [B, H, K, V] (or [N, H, K, V] with ``cu_seqlens``,
+    host int offsets [N + 1] of packed sequences, B == 1); scale defaults to K**-0.5.
+    Returns ``(o [B, T, H, V] in v.dtype, final state fp32 or None)``.
+    """
+    _expect_rank("q", q, 4, "[B, T, H, K]")
+    B, T, H, K = q.shape
+    _expect_shape("k", k, (B, T, H, K), "[B, T, H, K] like q")
+    _expect_rank("v", v, 4, "[B, T, H, V]")
+    V = v.shape[3]
+    _expect_shape("v", v, (B, T, H, V), "[B, T, H, V] matching q's B, T, H")
+    _expect_shape("g", g, (B, T, H, K), "[B, T, H, K] like q")
+    _expect_shape("beta", beta, (B, T, H), "[B, T, H]")
+    n_states = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens: packed sequences need B == 1, got q shape {q.shape}")
+        n_states = host_offsets(cu_seqlens, T).size - 1
+    if initial_state is not None:
+        layout = "[B, H, K, V]" if cu_seqlens is None else "[N, H, K, V], N = len(cu_seqlens) - 1"
+        _expect_state("initial_state", initial_state, (n_states, H, K, V), layout)
+    op = _select(implementation)
+    o, state = op(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=K**-0.5 if scale is None else scale,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+    )
+    return o, (state if output_final_state else None)
+
+
+def kda_decode(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """One recurrent decode step: q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state fp32.
+
+    Returns ``(o [B, H, V] in v.dtype, new_state fp32 [B, H, K, V])``.
+    """
+    _expect_rank("q", q, 3, "[B, H, K]")
+    B, H, K = q.shape
+    _expect_shape("k", k, (B, H, K), "[B, H, K] like q")
+    _expect_rank("v", v, 3, "[B, H, V]")
+    V = v.shape[2]
+    _expect_shape("v", v, (B, H, V), "[B, H, V] matching q's B, H")
+    _expect_shape("g", g, (B, H, K), "[B, H, K] like q")
+    _expect_shape("beta", beta, (B, H), "[B, H]")
+    _expect_state("state", state, (B, H, K, V), "[B, H, K, V]")
+    return recurrent_kda_step(q, k, v, g, beta, state, scale=scale)

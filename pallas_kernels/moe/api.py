@@ -1,0 +1,29 @@
+"""One entry point for the routed experts; picks an implementation per platform."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+
+from pallas_kernels.moe.reference import experts_all_dense, experts_ragged_dot
+
+Implementation = Literal["auto", "xla", "dense", "pallas"]
+
+
+def routed_experts(
+    x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, weights: jax.Array, ids: jax.Array,
+    *, beta: float, linear_beta: float | None, implementation: Implementation = "auto",
+) -> jax.Array:
+    """sum_j weights[n, j] * E_{ids[n, j]}(x[n]) in fp32 for SiTU-GLU experts [E, out, in].
+
+    "auto" and "xla" run the dropless sorted `lax.ragged_dot` path; "dense" runs every expert on every
+    token (the oracle); "pallas" is reserved for the fused grouped-GEMM kernel.
+    """
+    if implementation in ("auto", "xla"):
+        return experts_ragged_dot(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
+    if implementation == "dense":
+        return experts_all_dense(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
+    if implementation == "pallas":
+        raise NotImplementedError("implementation='pallas': no Pallas MoE kernel is available yet; use 'auto'")
+    raise ValueError(f"implementation={implementation!r}: expected 'auto', 'xla', 'dense' or 'pallas'")
