@@ -226,12 +226,12 @@ def _parse_text_config(text: dict[str, Any], top: dict[str, Any]) -> K3Config:
         groups = r.int("num_expert_group", default=1)
         if r.int("topk_group", default=groups) != groups:
             raise ConfigError(
-                "config keys text_config.topk_group/num_expert_group: group-limited routing is not supported "
+                f"config keys {r.prefix}.topk_group/num_expert_group: group-limited routing is not supported "
                 "(K3 uses one group); expected topk_group == num_expert_group"
             )
     heads = r.int("num_attention_heads")
     if r.int("num_key_value_heads", default=heads) != heads:
-        raise ConfigError("config key text_config.num_key_value_heads must equal num_attention_heads for MLA")
+        raise ConfigError(f"config key {r.prefix}.num_key_value_heads must equal num_attention_heads for MLA")
     lower_bound = linear.float("gate_lower_bound")
     if not lower_bound < 0:
         raise ConfigError(f"config key {linear.prefix}.gate_lower_bound={lower_bound}: expected a negative number")

@@ -1,0 +1,47 @@
+"""Shared fixtures: the golden tiny checkpoint (exact release format) and its reference outputs.
+
+fp32 comparisons need full-precision matmuls (GPU would otherwise use TF32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden" / "k3-tiny-a"
+
+
+def rel_rms(actual: np.ndarray, expected: np.ndarray) -> float:
+    """||a - b||_2 / ||b||_2 — the error measure the golden README's tolerances use."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.sqrt(np.mean((actual - expected) ** 2)) / np.sqrt(np.mean(expected**2)))
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    return GOLDEN_DIR
+
+
+@pytest.fixture(scope="session")
+def golden_reference():
+    """Loader for reference/*.npz by stem: golden_reference('text_fp32')['logits']."""
+    return lambda name: np.load(GOLDEN_DIR / "reference" / f"{name}.npz")
+
+
+@pytest.fixture(scope="session")
+def golden_model_fp32():
+    import k3jax
+
+    return k3jax.from_pretrained(GOLDEN_DIR, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def golden_model_bf16():
+    import k3jax
+
+    return k3jax.from_pretrained(GOLDEN_DIR, dtype="bfloat16")
