@@ -235,7 +235,7 @@ def _parse_text_config(text: dict[str, Any], top: dict[str, Any]) -> K3Config:
     lower_bound = linear.float("gate_lower_bound")
     if not lower_bound < 0:
         raise ConfigError(f"config key {linear.prefix}.gate_lower_bound={lower_bound}: expected a negative number")
-    linear_beta = text.get("activation_situ_linear_beta")
+    linear_beta = r.float("activation_situ_linear_beta", default=0.0) or None  # absent, null or 0: no up cap
     dtype = top.get("dtype", top.get("torch_dtype", text.get("dtype", "bfloat16")))
 
     return K3Config(
@@ -264,7 +264,7 @@ def _parse_text_config(text: dict[str, Any], top: dict[str, Any]) -> K3Config:
         moe_renormalize=r.bool("moe_renormalize"),
         routed_scaling_factor=r.float("routed_scaling_factor"),
         situ_beta=r.float("activation_situ_beta"),
-        situ_linear_beta=float(linear_beta) if linear_beta else None,
+        situ_linear_beta=linear_beta,
         attn_res_block_size=r.int("attn_res_block_size"),
         rms_norm_eps=r.float("rms_norm_eps"),
         bos_token_id=top.get("bos_token_id", text.get("bos_token_id")),
