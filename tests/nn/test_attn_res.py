@@ -182,14 +182,17 @@ def stream_layer(stream: AttnResStream, layer, block: int, wm, wf, qa, na, qm, n
     return stream.add(ToyModel.sublayer(x, wf, jnp))
 
 
-def k3jax_unrolled(m: ToyModel, num_layers: int, block: int, bank_rows: int) -> AttnResStream:
-    stream = AttnResStream.start(f32(m.embeddings), bank_rows)
-    for layer in range(num_layers):  # python-int layer index, as in the unrolled head/tail
-        stream = stream_layer(
-            stream, layer, block, f32(m.w_mixer[layer]), f32(m.w_ffn[layer]), f32(m.q_att[layer]),
-            f32(m.n_att[layer]), f32(m.q_mlp[layer]), f32(m.n_mlp[layer]),
-        )
+@jax.jit(static_argnums=(2, 3, 4))
+def _unrolled_stream(embeddings, weights, num_layers: int, block: int, bank_rows: int) -> AttnResStream:
+    stream = AttnResStream.start(embeddings, bank_rows)
+    for layer in range(num_layers):  # python-int layer index, as in the model's unrolled head/tail
+        stream = stream_layer(stream, layer, block, *(w[layer] for w in weights))
     return stream
+
+
+def k3jax_unrolled(m: ToyModel, num_layers: int, block: int, bank_rows: int) -> AttnResStream:
+    weights = (f32(m.w_mixer), f32(m.w_ffn), f32(m.q_att), f32(m.n_att), f32(m.q_mlp), f32(m.n_mlp))
+    return _unrolled_stream(f32(m.embeddings), weights, num_layers, block, bank_rows)
 
 
 @jax.jit(static_argnums=(2, 3))
