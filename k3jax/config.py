@@ -169,7 +169,8 @@ class _Reader:
 
     def require(self, key: str, allowed: tuple[Any, ...], default: Any = None) -> Any:
         value = self._raw(key, _REQUIRED if default is None else default)
-        if value not in allowed:
+        # Compare type too, so that 1 does not pass for true (1 == True in Python).
+        if not any(value == a and type(value) is type(a) for a in allowed):
             raise ConfigError(
                 f"config key {self.prefix}.{key}={value!r} is not supported; expected one of {list(allowed)}"
             )
@@ -220,6 +221,7 @@ def _parse_text_config(text: dict[str, Any], top: dict[str, Any]) -> K3Config:
     r.require("mla_use_nope", (True,))
     r.require("mla_use_output_gate", (True,))
     r.require("tie_word_embeddings", (False,), default=False)
+    _Reader(top, "config").require("tie_word_embeddings", (False,), default=False)
     r.require("moe_layer_freq", (1,), default=1)
     linear.require("use_full_rank_gate", (True,))
     if r.bool("use_grouped_topk", default=False):

@@ -215,3 +215,16 @@ def test_full_size_model_shapes_and_parameter_count():
     assert model.layer(0).mlp.gate_proj.weight.shape == (33792, 7168)
     assert model.layer(1).self_attn.q_proj.weight.shape == (12288, 7168)
     assert model.layer(3).self_attn.q_b_proj.weight.shape == (96 * 192, 1536)
+
+
+
+def test_integer_is_not_accepted_for_a_boolean_flag(golden):
+    golden["text_config"]["mla_use_nope"] = 1
+    with pytest.raises(ConfigError, match="mla_use_nope"):
+        K3Config.from_hf(golden)
+
+
+def test_tied_embeddings_at_the_top_level_are_rejected(golden):
+    golden["tie_word_embeddings"] = True
+    with pytest.raises(ConfigError, match="config.tie_word_embeddings"):
+        K3Config.from_hf(golden)
