@@ -18,12 +18,16 @@ def routed_experts(
     """sum_j weights[n, j] * E_{ids[n, j]}(x[n]) in fp32 for SiTU-GLU experts [E, out, in].
 
     "auto" and "xla" run the dropless sorted `lax.ragged_dot` path; "dense" runs every expert on every
-    token (the oracle); "pallas" is reserved for the fused grouped-GEMM kernel.
+    token (the oracle); "pallas" runs the Pallas grouped GEMMs (gate+up+SiTU fused, then down; see
+    pallas_grouped_gemm.py): compiled through Pallas-Triton on GPU, interpret mode elsewhere (tests only).
     """
     if implementation in ("auto", "xla"):
         return experts_ragged_dot(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
     if implementation == "dense":
         return experts_all_dense(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
     if implementation == "pallas":
-        raise NotImplementedError("implementation='pallas': no Pallas MoE kernel is available yet; use 'auto'")
+        # imported here so that the default paths never import Pallas
+        from pallas_kernels.moe.pallas_experts import experts_pallas  # noqa: PLC0415
+
+        return experts_pallas(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
     raise ValueError(f"implementation={implementation!r}: expected 'auto', 'xla', 'dense' or 'pallas'")

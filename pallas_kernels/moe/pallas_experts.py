@@ -1,0 +1,72 @@
+"""Routed experts on the Pallas grouped GEMMs: sort pairs by expert, fused gate+up+SiTU, down, combine.
+
+Same contract as `reference.experts_ragged_dot` (fp32 [N, out]); only the two grouped GEMMs differ. On a
+GPU backend the kernels are compiled through Pallas-Triton; elsewhere they run in interpret mode (slow,
+for tests only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe.pallas_grouped_gemm import (
+    DOWN_DEFAULT, TileConfig, gate_up_config, grouped_gate_up_situ, grouped_matmul,
+)
+
+F32 = jnp.float32
+
+
+def fit_config(cfg: TileConfig, k: int, n: int) -> TileConfig:
+    """Shrink block_k / block_n (powers of two, >= 16) until they divide K / N; raise if none does."""
+
+    def fit(block: int, dim: int, name: str) -> int:
+        while block >= 16 and dim % block:
+            block //= 2
+        if block < 16:
+            raise ValueError(f"{name}={dim} is not a multiple of 16: the Pallas grouped GEMM needs that")
+        return block
+
+    return dataclasses.replace(cfg, block_k=fit(cfg.block_k, k, "K"), block_n=fit(cfg.block_n, n, "N"))
+
+
+def _pad_to(a: jax.Array, axis: int, multiple: int = 16) -> jax.Array:
+    """Zero-pad one axis up to a multiple (a no-op, and no copy, for the model's real widths)."""
+    extra = -a.shape[axis] % multiple
+    if not extra:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(a, widths)
+
+
+def experts_pallas(
+    x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, weights: jax.Array, ids: jax.Array,
+    *, beta: float, linear_beta: float | None, interpret: bool | None = None,
+    gate_up_cfg: TileConfig | None = None, down_cfg: TileConfig = DOWN_DEFAULT,
+) -> jax.Array:
+    """sum_j weights[n, j] * w2_e SiTU(w1_e x_n, w3_e x_n) in fp32. x [N, in]; w1, w3 [E, F, in]; w2 [E, out, F]."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    num_tokens, top_k = ids.shape
+    num_experts = w1.shape[0]
+    flat_ids = ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+    d_out = w2.shape[1]
+    # Widths that are not multiples of 16 (toy configs only) are zero-padded: zero K columns add nothing,
+    # zero gate/up rows give SiTU(0, 0) = 0 hidden units, and padded output columns are sliced off.
+    rows = _pad_to(x[token_of], 1)
+    w1, w3 = (_pad_to(_pad_to(w, 2), 1) for w in (w1, w3))
+    w2 = _pad_to(_pad_to(w2, 2), 1)
+    d_in, hidden = rows.shape[1], w1.shape[1]
+    gate_up_cfg = gate_up_cfg or gate_up_config(rows.shape[0], num_experts)
+    h = grouped_gate_up_situ(rows, w1, w3, group_sizes, beta=float(beta),
+                             linear_beta=None if linear_beta is None else float(linear_beta),
+                             cfg=fit_config(gate_up_cfg, d_in, hidden), interpret=interpret)
+    outs = grouped_matmul(h, w2, group_sizes, cfg=fit_config(down_cfg, hidden, w2.shape[1]), interpret=interpret)
+    outs = outs[:, :d_out].astype(F32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((num_tokens, outs.shape[-1]), F32).at[token_of].add(outs)
