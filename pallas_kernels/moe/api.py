@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.moe.reference import experts_all_dense, experts_ragged_dot
 
@@ -17,11 +18,15 @@ def routed_experts(
 ) -> jax.Array:
     """sum_j weights[n, j] * E_{ids[n, j]}(x[n]) in fp32 for SiTU-GLU experts [E, out, in].
 
-    "auto" and "xla" run the dropless sorted `lax.ragged_dot` path; "dense" runs every expert on every
+    "auto" picks "pallas" for bf16 on GPU (where the kernel is compiled and verified, see
+    benchmarks/RESULTS.md) and "xla" elsewhere (CPU; TPU until the Mosaic-TPU kernel exists; fp32, which
+    must stay exact). "xla" runs the dropless sorted `lax.ragged_dot` path; "dense" runs every expert on every
     token (the oracle); "pallas" runs the Pallas grouped GEMMs (gate+up+SiTU fused, then down; see
     pallas_grouped_gemm.py): compiled through Pallas-Triton on GPU, interpret mode elsewhere (tests only).
     """
-    if implementation in ("auto", "xla"):
+    if implementation == "auto":
+        implementation = "pallas" if jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16 else "xla"
+    if implementation == "xla":
         return experts_ragged_dot(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
     if implementation == "dense":
         return experts_all_dense(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)

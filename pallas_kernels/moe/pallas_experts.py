@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels.moe.pallas_grouped_gemm import (
     DOWN_DEFAULT, TileConfig, gate_up_config, grouped_gate_up_situ, grouped_matmul,
 )
+from pallas_kernels.moe.reference import sort_by_expert
 
 F32 = jnp.float32
 
@@ -50,12 +51,9 @@ def experts_pallas(
     """sum_j weights[n, j] * w2_e SiTU(w1_e x_n, w3_e x_n) in fp32. x [N, in]; w1, w3 [E, F, in]; w2 [E, out, F]."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    num_tokens, top_k = ids.shape
+    num_tokens = ids.shape[0]
     num_experts = w1.shape[0]
-    flat_ids = ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)
-    token_of = order // top_k
-    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+    order, token_of, group_sizes = sort_by_expert(ids, num_experts)
     d_out = w2.shape[1]
     # Widths that are not multiples of 16 (toy configs only) are zero-padded: zero K columns add nothing,
     # zero gate/up rows give SiTU(0, 0) = 0 hidden units, and padded output columns are sliced off.

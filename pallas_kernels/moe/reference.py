@@ -24,6 +24,14 @@ def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float | None)
     return (beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g) * capped_up).astype(gate.dtype)
 
 
+def sort_by_expert(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Group the N*k (token, expert) pairs by expert: (pair order, token of each sorted pair, group sizes)."""
+    flat_ids = ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+    return order, order // ids.shape[1], group_sizes
+
+
 def experts_all_dense(
     x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, weights: jax.Array, ids: jax.Array,
     *, beta: float, linear_beta: float | None,
@@ -46,13 +54,8 @@ def experts_ragged_dot(
     *, beta: float, linear_beta: float | None,
 ) -> jax.Array:
     """Dropless: sort the N*k (token, expert) pairs by expert and run grouped GEMMs with lax.ragged_dot."""
-    num_tokens, top_k = ids.shape
-    num_experts = w1.shape[0]
-    flat_ids = ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)  # [N*k] pair index, grouped by expert
-    token_of = order // top_k
-    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-    rows = x[token_of]  # [N*k, in]
+    order, token_of, group_sizes = sort_by_expert(ids, w1.shape[0])
+    rows = x[token_of]  # [N*k, in], grouped by expert
 
     def grouped(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
         out = jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DIMS, preferred_element_type=F32)
@@ -60,4 +63,4 @@ def experts_ragged_dot(
 
     hidden = situ(grouped(rows, w1), grouped(rows, w3), beta, linear_beta)
     outs = grouped(hidden, w2).astype(F32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((num_tokens, outs.shape[-1]), F32).at[token_of].add(outs)
+    return jnp.zeros((ids.shape[0], outs.shape[-1]), F32).at[token_of].add(outs)
