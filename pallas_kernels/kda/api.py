@@ -1,8 +1,10 @@
 """Public KDA entry points: input validation and implementation dispatch.
 
 Conventions follow fla's ``chunk_kda`` with a pre-activated gate (see ``reference.py``).
-The dispatch is kept even though only the XLA reference exists today, so Pallas kernels
-can slot in behind ``implementation="pallas"`` / ``"auto"`` without touching callers.
+``implementation="pallas"`` runs the safe-gate Pallas kernel (``pallas_kda.py``; Triton lowering
+on GPU, interpret mode on CPU); it needs ``lower_bound`` in [-5, 0), the caller's promise that
+every ``g >= lower_bound`` (K3's gate), and no ``cu_seqlens``. ``"auto"`` picks it only on GPU
+when those hold (verified on an H200, 2026-11-29) and the XLA reference everywhere else.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kda.pallas_kda import LOWER_BOUND_MIN, pallas_chunk_kda
 from pallas_kernels.kda.reference import chunked_kda, host_offsets, recurrent_kda_step
 
 Implementation = Literal["auto", "xla", "pallas"]
@@ -35,17 +38,53 @@ def _expect_state(name: str, x: jax.Array, expected: tuple[int, ...], layout: st
         raise ValueError(f"{name}: expected dtype float32 (states are kept in fp32), got {x.dtype}")
 
 
-def _select(implementation: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """Pick the operator; "auto" falls back to the XLA reference until Pallas kernels land."""
+def _pallas_op(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float,
+    initial_state: jax.Array | None,
+    cu_seqlens: object | None,
+) -> tuple[jax.Array, jax.Array]:
+    del cu_seqlens  # rejected in _select
+    return pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+
+
+def _safe_gate(lower_bound: float | None) -> bool:
+    return lower_bound is not None and LOWER_BOUND_MIN <= lower_bound < 0
+
+
+def _select(
+    implementation: str, lower_bound: float | None = None, varlen: bool = False
+) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """Pick the operator: Pallas needs the safe gate, no varlen and (for "auto") a GPU."""
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(
             f"implementation: expected one of {_IMPLEMENTATIONS}, got {implementation!r}"
         )
+    backend = jax.default_backend()
     if implementation == "pallas":
-        raise NotImplementedError(
-            f"implementation='pallas': no Pallas KDA kernel is available on this platform "
-            f"({jax.default_backend()}) yet; use implementation='xla' or 'auto'."
-        )
+        if backend not in ("gpu", "cpu"):
+            raise NotImplementedError(
+                f"implementation='pallas': the Pallas KDA kernel uses the Triton lowering (GPU; "
+                f"interpret mode on CPU), none exists for {backend!r} yet; use 'xla' or 'auto'."
+            )
+        if not _safe_gate(lower_bound):
+            raise NotImplementedError(
+                "implementation='pallas': no Pallas KDA kernel for an unbounded gate; pass "
+                "lower_bound in [-5, 0) (the safe gate: every g >= lower_bound) or use 'xla' / "
+                f"'auto' (got lower_bound={lower_bound!r})."
+            )
+        if varlen:
+            raise NotImplementedError(
+                "implementation='pallas' does not support cu_seqlens yet; use 'xla' or 'auto'."
+            )
+        return _pallas_op
+    if implementation == "auto" and backend == "gpu" and _safe_gate(lower_bound) and not varlen:
+        return _pallas_op
     return chunked_kda
 
 
@@ -61,6 +100,7 @@ def chunk_kda(
     output_final_state: bool = False,
     cu_seqlens: object | None = None,
     implementation: Implementation = "auto",
+    lower_bound: float | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Chunked KDA over a sequence (prefill / training).
 
@@ -68,6 +108,9 @@ def chunk_kda(
     beta [B, T, H]; initial_state fp32 [B, H, K, V] (or [N, H, K, V] with ``cu_seqlens``,
     host int offsets [N + 1] of packed sequences, B == 1); scale defaults to K**-0.5.
     Returns ``(o [B, T, H, V] in v.dtype, final state fp32 or None)``.
+    ``lower_bound`` (K3: -5.0) declares ``g >= lower_bound`` everywhere (the safe gate); it is
+    what allows ``implementation="pallas"`` (and "auto" to pick it on GPU). It is not checked
+    against the traced ``g``; a violating gate can overflow the kernel's midpoint factorisation.
     """
     _expect_rank("q", q, 4, "[B, T, H, K]")
     B, T, H, K = q.shape
@@ -85,7 +128,7 @@ def chunk_kda(
     if initial_state is not None:
         layout = "[B, H, K, V]" if cu_seqlens is None else "[N, H, K, V], N = len(cu_seqlens) - 1"
         _expect_state("initial_state", initial_state, (n_states, H, K, V), layout)
-    op = _select(implementation)
+    op = _select(implementation, lower_bound, varlen=cu_seqlens is not None)
     o, state = op(
         q,
         k,

@@ -238,6 +238,10 @@ def chunked_kda(
         n_states = offsets.size - 1
     if initial_state is None:
         initial_state = jnp.zeros((n_states, H, K, V), _F32)
+    # The barrier keeps XLA from specialising the chunk scan on a constant (e.g. all-zero) state:
+    # XLA:CPU in jaxlib 0.11.2 miscompiles that case when the final state is unused (its YNNPACK
+    # fusions return garbage for some T; tests/kda/test_kda_reference.py checks it under jit).
+    initial_state = jax.lax.optimization_barrier(initial_state)
     if offsets is None:
         o, state = _chunked_batched(q, k, v, g, beta, scale, initial_state, chunk_size=chunk_size)
     else:

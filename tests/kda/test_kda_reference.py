@@ -216,3 +216,14 @@ def test_bf16_inputs() -> None:
     o_ref, s_ref = naive(*_args(bf))
     assert o_ref.dtype == jnp.bfloat16
     assert rel(o, o_ref) <= 1e-2 and rel(s, s_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("T", [5, 7, 8, 12, 20])
+def test_jitted_chunked_without_initial_state(T):
+    """Regression: XLA:CPU (jaxlib 0.11.2) returned garbage for a jitted chunked KDA whose state is a
+    constant zero and whose final state is unused, unless the state goes through a barrier."""
+    x = f32(make_inputs(T, seed=T, batch=1))
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    o = jax.jit(lambda *a: chunk_kda(*a)[0])(*args)
+    expected, _ = naive_recurrent_kda(*args)
+    assert rel(o, expected) <= 1e-5

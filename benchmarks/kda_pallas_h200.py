@@ -1,0 +1,209 @@
+"""H200 side-by-side: Pallas safe-gate chunk KDA vs fla-core ``chunk_kda`` vs the XLA reference.
+
+Run on the GPU machine (see benchmarks/RESULTS.md for the recorded numbers):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site device_carry/wheels/*.whl
+    PYTHONPATH=/tmp/site:. python3 benchmarks/kda_pallas_h200.py torch   # fla: numerics + timing
+    # (give the torch half >= 200 s: on 2026-11-29 it had not finished fla's first big-shape
+    #  calls within 100 s)
+    PYTHONPATH=. python3 benchmarks/kda_pallas_h200.py jax                 # ours + XLA reference
+
+Both halves use K3's production call: raw q/k (L2 norm in kernel), raw gate with A_log [H] and
+dt_bias [H*K] (``g = -5 * sigmoid(exp(A_log) (g_raw + dt_bias))``), beta logits (sigmoid in
+kernel), bf16 q/k/v/g/beta, fp32 state. So every timed path does the same work: fla's fused
+gate/beta/l2norm, our fused intra kernel, and the XLA reference with its activations in the jit.
+The torch half writes a small case's inputs and fla outputs to /tmp so the jax half can compare
+ours, fla and the fp32 reference on identical data. Results go to $OUT/*.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+OUT = os.environ.get("OUT", ".")
+SHAPES = [(4, 8192, 96), (1, 32768, 16)]  # (B, T, H), D = 128
+CHECK = (1, 2048, 8)  # numerics case shared by both halves
+LB = -5.0
+D = 128
+CMP = "/tmp/kda_cmp.npz"
+# (block_v, num_warps, num_stages, intra kernel). 2026-11-29 measured the first three with the
+# v1 kernel and num_stages=1 (128/8 fastest); the rest are the next sweep, not yet run.
+CONFIGS = [
+    (128, 8, 1, "v1"), (64, 4, 1, "v1"), (128, 8, 1, "lean"), (128, 4, 1, "lean"),
+    (128, 8, 2, "lean"), (64, 4, 3, "lean"),
+]
+
+
+def kda_flops(B, T, H, C=64):
+    return B * T * H * (2 * C * (3 * D + 2 * D) + 6 * D * D)
+
+
+def np_inputs(B, T, H, seed=0):
+    r = np.random.default_rng(seed)
+    f = lambda *s: r.standard_normal(s, dtype=np.float32)
+    return dict(
+        q=f(B, T, H, D), k=f(B, T, H, D), v=f(B, T, H, D), g=f(B, T, H, D), beta=f(B, T, H),
+        A_log=(r.random(H, dtype=np.float32) * 2 - 1), dt_bias=np.zeros(H * D, np.float32),
+        h0=0.1 * f(B, H, D, D),
+    )
+
+
+def run_torch():
+    import torch
+    import triton
+    from fla.ops.kda import chunk_kda
+
+    res = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}}
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LB)
+    x = np_inputs(*CHECK)
+    t = {n: torch.tensor(a, device="cuda") for n, a in x.items()}
+    bf = {n: t[n].bfloat16() for n in ("q", "k", "v", "g", "beta")}
+    with torch.inference_mode():
+        o, ht = chunk_kda(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"], A_log=t["A_log"],
+                          dt_bias=t["dt_bias"], initial_state=t["h0"], output_final_state=True,
+                          **kw)
+    np.savez(CMP, **x, fla_o=o.float().cpu().numpy(), fla_ht=ht.float().cpu().numpy())
+    for B, T, H in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)
+        q, k, v, gate, beta = mk(B, T, H, D), mk(B, T, H, D), mk(B, T, H, D), mk(B, T, H, D), \
+            mk(B, T, H)
+        A_log = torch.rand(H, device="cuda", generator=g) * 2 - 1
+        dt_bias = torch.zeros(H * D, device="cuda")
+        with torch.inference_mode():
+            fn = lambda: chunk_kda(q, k, v, gate, beta, A_log=A_log, dt_bias=dt_bias,
+                                   output_final_state=True, **kw)
+            fn()
+            ms = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+        res[f"fla_B{B}_T{T}_H{H}"] = {"ms_med_p20_p80": [round(m, 4) for m in ms],
+                                      "model_TFLOPS": round(kda_flops(B, T, H) / ms[0] / 1e9, 1)}
+        print(res[f"fla_B{B}_T{T}_H{H}"], flush=True)
+        del q, k, v, gate, beta
+        torch.cuda.empty_cache()
+    json.dump(res, open(os.path.join(OUT, "torch_kda.json"), "w"), indent=1)
+
+
+def run_jax():
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.kda.pallas_kda import pallas_chunk_kda, pallas_chunk_kda_fused_gate
+    from pallas_kernels.kda.reference import chunked_kda
+
+    res = {"env": {"jax": jax.__version__, "device": str(jax.devices()[0])}}
+
+    def save():
+        json.dump(res, open(os.path.join(OUT, "jax_kda.json"), "w"), indent=1)
+
+    def activate(q, k, g, beta, A_log, dt_bias):
+        H = q.shape[2]
+        l2 = lambda x: (x.astype(jnp.float32) * jax.lax.rsqrt(
+            jnp.sum(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6))
+        a = jnp.exp(A_log[:H].astype(jnp.float32))[:, None]
+        gg = LB * jax.nn.sigmoid(a * (g.astype(jnp.float32) + dt_bias.reshape(H, D)))
+        return l2(q), l2(k), gg, jax.nn.sigmoid(beta.astype(jnp.float32))
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    # ---- numerics on the shared case (fla inputs) --------------------------------------
+    try:
+        x = dict(np.load(CMP)) if os.path.exists(CMP) else np_inputs(*CHECK)
+        j = {n: jnp.asarray(x[n]) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")}
+        bf = {n: j[n].astype(jnp.bfloat16) for n in ("q", "k", "v", "g", "beta")}
+        qa, ka, ga, ba = activate(bf["q"], bf["k"], bf["g"], bf["beta"], j["A_log"], j["dt_bias"])
+        ref_o, ref_h = chunked_kda(qa, ka, bf["v"].astype(jnp.float32), ga, ba, scale=D**-0.5,
+                                   initial_state=j["h0"])
+        t = time.time()
+        o, h = pallas_chunk_kda_fused_gate(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"],
+                                           j["A_log"], j["dt_bias"], lower_bound=LB,
+                                           initial_state=j["h0"])
+        o.block_until_ready()
+        num = {"first_call_s": round(time.time() - t, 1),
+               "ours_bf16_vs_ref_o": rel(o, ref_o), "ours_bf16_vs_ref_ht": rel(h, ref_h)}
+        o32, h32 = pallas_chunk_kda(qa, ka, bf["v"].astype(jnp.float32), ga, ba,
+                                    initial_state=j["h0"])
+        num["ours_fp32_vs_ref_o"] = rel(o32, ref_o)
+        num["ours_fp32_vs_ref_ht"] = rel(h32, ref_h)
+        num["ours_fp32_nan"] = bool(jnp.isnan(o32).any())
+        if "fla_o" in x:
+            num["fla_vs_ref_o"] = rel(x["fla_o"], ref_o)
+            num["fla_vs_ref_ht"] = rel(x["fla_ht"], ref_h)
+            num["ours_bf16_vs_fla_o"] = rel(o.astype(jnp.float32), x["fla_o"])
+        res["numerics_B1_T2048_H8"] = num
+    except Exception as e:  # keep going to timing
+        import traceback
+        res["numerics_error"] = traceback.format_exc()[-3000:]
+    print(json.dumps(res, indent=1), flush=True)
+    save()
+
+    def bench(f, args, n_rep=5, n_inner=10):
+        out = f(*args)
+        jax.block_until_ready(out)
+        ts = []
+        for _ in range(n_rep):
+            t = time.perf_counter()
+            for _ in range(n_inner):
+                out = f(*args)
+            jax.block_until_ready(out)
+            ts.append((time.perf_counter() - t) / n_inner * 1e3)
+        return sorted(ts)[len(ts) // 2], ts
+
+    for B, T, H in SHAPES:
+        key = jax.random.split(jax.random.PRNGKey(0), 6)
+        mk = lambda kk, *s: jax.random.normal(kk, s, jnp.bfloat16)
+        q, k, v, g = (mk(key[i], B, T, H, D) for i in range(4))
+        beta = mk(key[4], B, T, H)
+        A_log = jax.random.uniform(key[5], (H,), jnp.float32, -1, 1)
+        dt_bias = jnp.zeros((H * D,), jnp.float32)
+        args = (q, k, v, g, beta, A_log, dt_bias)
+        name = f"B{B}_T{T}_H{H}"
+        r = {}
+        for bv, nw, ns, intra in CONFIGS:
+            tag = f"ours_fused_bv{bv}_w{nw}_s{ns}_{intra}"
+            try:
+                f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, it=intra:
+                            pallas_chunk_kda_fused_gate(q, k, v, g, b, a, d, lower_bound=LB,
+                                                        block_v=bv, num_warps=nw, num_stages=ns,
+                                                        intra=it))
+                ms, ts = bench(f, args)
+                r[f"{tag}_ms"] = round(ms, 4)
+            except Exception as e:
+                r[f"{tag}_error"] = repr(e)[-800:]
+            print(name, r, flush=True)
+            save()
+        try:  # pre-activated kernel + the activations as XLA ops (unfused)
+            def unfused(q, k, v, g, b, a, d):
+                qa, ka, ga, ba = activate(q, k, g, b, a, d)
+                return pallas_chunk_kda(qa.astype(q.dtype), ka.astype(q.dtype), v, ga, ba)
+            ms, _ = bench(jax.jit(unfused), args)
+            r["ours_unfused_xla_activations_ms"] = round(ms, 4)
+        except Exception as e:
+            r["ours_unfused_error"] = repr(e)[-800:]
+        try:
+            def xla_ref(q, k, v, g, b, a, d):
+                qa, ka, ga, ba = activate(q, k, g, b, a, d)
+                return chunked_kda(qa, ka, v, ga, ba, scale=D**-0.5, initial_state=None)
+            ms, _ = bench(jax.jit(xla_ref), args, n_rep=3, n_inner=2)
+            r["xla_reference_ms"] = round(ms, 2)
+        except Exception as e:
+            r["xla_reference_error"] = repr(e)[-800:]
+        best = min((v_ for k_, v_ in r.items() if k_.startswith("ours_fused") and
+                    k_.endswith("_ms")), default=None)
+        if best:
+            r["ours_best_model_TFLOPS"] = round(kda_flops(B, T, H) / best / 1e9, 1)
+        res[name] = r
+        print(name, r, flush=True)
+        save()
+        del q, k, v, g, beta
+
+
+if __name__ == "__main__":
+    {"torch": run_torch, "jax": run_jax}[sys.argv[1]]()

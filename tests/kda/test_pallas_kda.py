@@ -1,0 +1,143 @@
+"""The safe-gate Pallas KDA kernel (interpret mode on CPU) against the XLA references.
+
+Shapes are small and share compiles: every T with the same chunk count (64-token chunks) and
+the same B, H, K, V reuses one interpret-mode compile (padding happens outside the jit).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import chunk_kda, naive_recurrent_kda
+from pallas_kernels.kda.pallas_kda import pallas_chunk_kda, pallas_chunk_kda_fused_gate
+from pallas_kernels.kda.reference import chunked_kda
+
+B, H, K, V = 2, 2, 32, 64  # K != V on purpose
+LB = -5.0
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def make_inputs(T: int, seed: int = 0) -> dict[str, jax.Array]:
+    """K3-like fp32 inputs: unit q/k, gate in (-5, 0) with many steps near the bound."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, H, K))
+    k = rng.standard_normal((B, T, H, K))
+    x = dict(
+        q=q / np.linalg.norm(q, axis=-1, keepdims=True),
+        k=k / np.linalg.norm(k, axis=-1, keepdims=True),
+        v=rng.standard_normal((B, T, H, V)),
+        g=LB * _sigmoid(2.0 * rng.standard_normal((B, T, H, K))),
+        beta=_sigmoid(rng.standard_normal((B, T, H))),
+        s0=0.5 * rng.standard_normal((B, H, K, V)),
+    )
+    return {n: jnp.asarray(a, jnp.float32) for n, a in x.items()}
+
+
+def rel(a: jax.Array, b: jax.Array) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _ref(x: dict[str, jax.Array], s0: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    return chunked_kda(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], scale=K**-0.5, initial_state=s0
+    )
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 150])
+def test_matches_reference_with_initial_state(T: int) -> None:
+    x = make_inputs(T, seed=T)
+    o, s = pallas_chunk_kda(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["s0"], interpret=True
+    )
+    ref_o, ref_s = _ref(x, x["s0"])
+    assert o.shape == (B, T, H, V) and o.dtype == jnp.float32
+    assert s.shape == (B, H, K, V) and s.dtype == jnp.float32
+    assert rel(o, ref_o) <= 1e-4
+    assert rel(s, ref_s) <= 1e-4
+
+
+@pytest.mark.parametrize("T", [64, 150])
+def test_matches_reference_without_initial_state(T: int) -> None:
+    x = make_inputs(T, seed=100 + T)
+    o, s = pallas_chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], interpret=True)
+    ref_o, ref_s = _ref(x, None)
+    assert rel(o, ref_o) <= 1e-4
+    assert rel(s, ref_s) <= 1e-4
+
+
+def test_matches_token_recurrence_at_the_bound() -> None:
+    """Every step at the lower bound on half the channels: the largest in-chunk spreads."""
+    x = make_inputs(65, seed=7)
+    g = jnp.where(jnp.arange(K) % 2 == 0, -4.999, x["g"])
+    o, s = pallas_chunk_kda(x["q"], x["k"], x["v"], g, x["beta"], initial_state=x["s0"],
+                            interpret=True)
+    ref_o, ref_s = naive_recurrent_kda(x["q"], x["k"], x["v"], g, x["beta"],
+                                       initial_state=x["s0"])
+    assert np.isfinite(np.asarray(o)).all()
+    assert rel(o, ref_o) <= 1e-4
+    assert rel(s, ref_s) <= 1e-4
+
+
+@pytest.mark.parametrize("intra", ["v1", "lean"])
+def test_fused_gate_matches_activated_reference(intra: str) -> None:
+    """In-kernel l2norm / safe-gate sigmoid / beta sigmoid equal the same ops done outside.
+
+    Also the only test of the ``lean`` intra kernel: its fused path is a superset of the plain one.
+    """
+    T = 150
+    rng = np.random.default_rng(3)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    q, k, v, g_raw, b_logit = f(B, T, H, K), f(B, T, H, K), f(B, T, H, V), f(B, T, H, K), \
+        f(B, T, H)
+    A_log = jnp.asarray(np.concatenate([rng.uniform(-1, 1, H), np.zeros(3)]), jnp.float32)
+    dt_bias = 0.5 * f(H * K)
+    s0 = 0.5 * f(B, H, K, V)
+    o, s = pallas_chunk_kda_fused_gate(q, k, v, g_raw, b_logit, A_log, dt_bias, lower_bound=LB,
+                                       initial_state=s0, interpret=True, intra=intra)
+    l2 = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)  # noqa: E731
+    g = LB * jax.nn.sigmoid(jnp.exp(A_log[:H])[:, None] * (g_raw + dt_bias.reshape(H, K)))
+    ref_o, ref_s = chunked_kda(l2(q), l2(k), v, g, jax.nn.sigmoid(b_logit), scale=K**-0.5,
+                               initial_state=s0)
+    assert rel(o, ref_o) <= 1e-4
+    assert rel(s, ref_s) <= 1e-4
+
+
+def test_api_dispatch() -> None:
+    x = make_inputs(65, seed=1)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    o, s = chunk_kda(*args, initial_state=x["s0"], output_final_state=True,
+                     implementation="pallas", lower_bound=LB)
+    ref_o, ref_s = chunk_kda(*args, initial_state=x["s0"], output_final_state=True,
+                             implementation="xla")
+    assert rel(o, ref_o) <= 1e-4 and rel(s, ref_s) <= 1e-4
+    with pytest.raises(NotImplementedError, match="unbounded gate"):
+        chunk_kda(*args, implementation="pallas")
+    with pytest.raises(NotImplementedError, match="unbounded gate"):
+        chunk_kda(*args, implementation="pallas", lower_bound=-6.0)
+    one = [a[:1] for a in args]
+    with pytest.raises(NotImplementedError, match="cu_seqlens"):
+        chunk_kda(*one, implementation="pallas", lower_bound=LB, cu_seqlens=np.array([0, 30, 65]))
+    # "auto" keeps the XLA reference off GPU (and for varlen everywhere).
+    auto = chunk_kda(*one, lower_bound=LB, cu_seqlens=np.array([0, 30, 65]))[0]
+    assert auto.shape == (1, 65, H, V)
+
+
+def test_gpu_path_validates_shapes() -> None:
+    """The Triton lowering needs power-of-two K and V >= 16; checked before any compile."""
+    z = jnp.zeros((1, 8, 1, 24), jnp.float32)
+    with pytest.raises(ValueError, match="powers of two"):
+        pallas_chunk_kda(z, z, z, z, z[..., 0], interpret=False)
+    with pytest.raises(ValueError, match="intra"):
+        pallas_chunk_kda(z, z, z, z, z[..., 0], interpret=True, intra="v2")
+    with pytest.raises(ValueError, match="block_v"):
+        pallas_chunk_kda(z, z, z, z, z[..., 0], interpret=True, block_v=24)
+    with pytest.raises(ValueError, match="lower_bound"):
+        pallas_chunk_kda_fused_gate(z, z, z, z, z[..., 0], jnp.zeros(1), jnp.zeros(24),
+                                    lower_bound=-6.0)
