@@ -1,4 +1,4 @@
-"""The `k3jax` command line: `demo` and `generate`."""
+"""The `k3jax` command line: `demo`, `generate` and `convert`."""
 
 from __future__ import annotations
 
@@ -48,6 +48,32 @@ def _run_generation(model_dir: Path, ids: list[int], max_new_tokens: int, temper
     return 0
 
 
+def _run_convert(args: argparse.Namespace) -> int:
+    """Plan (or convert); a bad release or output directory is a one-line error and exit status 1."""
+    from k3jax.checkpoint import CheckpointError
+    from k3jax.config import ConfigError
+    from k3jax.convert import convert, plan_conversion
+    from k3jax.convert.report import format_plan, human_bytes
+
+    if args.out_dir is None and not args.plan_only:
+        print("error: OUT_DIR is required unless --plan-only is given", file=sys.stderr)
+        return 2
+    try:
+        if args.plan_only:
+            print(format_plan(plan_conversion(args.hf_dir, dtype=args.dtype, experts=args.experts).plan))
+            return 0
+        result = convert(args.hf_dir, args.out_dir, dtype=args.dtype, experts=args.experts, resume=args.resume,
+                         verify=args.verify, progress=not args.quiet)
+    except (CheckpointError, ConfigError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print(f"converted {args.hf_dir} -> {result.out_dir}: {result.written} item(s) written, "
+              f"{result.skipped} already done, {human_bytes(result.nbytes)} in {result.seconds:.1f} s"
+              + (", verified" if args.verify else ""))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="k3jax", description="Kimi K3 in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -63,7 +89,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
 
+    conv = commands.add_parser("convert", help="convert a Hugging Face release to per-layer Orbax checkpoints")
+    conv.add_argument("hf_dir", type=Path, metavar="HF_DIR", help="Hugging Face release directory")
+    conv.add_argument("out_dir", type=Path, metavar="OUT_DIR", nargs="?", help="output directory")
+    conv.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                      help="storage dtype of the bf16 tensors (fp32 tensors stay fp32)")
+    conv.add_argument("--experts", choices=("bf16",), default=None,
+                      help="store routed experts in bfloat16 whatever --dtype (exact for MXFP4 sources)")
+    conv.add_argument("--resume", action="store_true", help="continue an interrupted conversion in OUT_DIR")
+    conv.add_argument("--verify", action="store_true",
+                      help="re-read every leaf and compare it with the source (and logits, when small)")
+    conv.add_argument("--plan-only", action="store_true", help="print the plan (leaves, bytes, sources) and stop")
+    conv.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        return _run_convert(args)
     if args.command == "demo":
         prompt = np.load(GOLDEN_TINY / "reference" / "generate_fp32.npz")["prompt_ids"][0].tolist()
         return _run_generation(GOLDEN_TINY, prompt, args.max_new_tokens, 0.0, "float32", 0)

@@ -1,24 +1,41 @@
-"""`from_pretrained`: the one call that turns a release directory into a ready model."""
+"""`from_pretrained`: the one call that turns a release (or converted) directory into a ready model."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from jax.sharding import Mesh
+
 from k3jax.checkpoint.hf_loader import load_hf_model
+from k3jax.convert import is_converted, load_converted
 from k3jax.model import K3Model
 
 _DTYPES = ("bfloat16", "float32")
 
 
-def from_pretrained(path: str | Path, *, dtype: str = "bfloat16", moe_implementation: str = "auto") -> K3Model:
-    """Load a Hugging Face K3 release directory (config.json, safetensors index and shards).
+def from_pretrained(
+    path: str | Path, *, dtype: str = "bfloat16", moe_implementation: str = "auto", mesh: str | Mesh | None = None
+) -> K3Model:
+    """Load a Hugging Face K3 release directory (config.json, safetensors index and shards), or a
+    directory written by `k3jax convert` (recognised by its manifest; it must be COMPLETE).
 
     `dtype` is the storage and activation dtype of the bf16 tensors (fp32 tensors such as the KDA
-    state parameters and the router bias stay fp32).
+    state parameters and the router bias stay fp32). `mesh` ("expert=4,tensor=2", a Mesh, or None for
+    one device) places every parameter by `sharding.DEFAULT_RULES`; jitted calls then run partitioned.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {_DTYPES}")
     root = Path(path)
+    if is_converted(root):
+        return _place(load_converted(root, dtype=dtype, moe_implementation=moe_implementation), mesh)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{root} has no config.json; expected a Hugging Face release directory")
-    return load_hf_model(root, dtype=dtype, moe_implementation=moe_implementation)
+    return _place(load_hf_model(root, dtype=dtype, moe_implementation=moe_implementation), mesh)
+
+
+def _place(model: K3Model, mesh: str | Mesh | None) -> K3Model:
+    if mesh is None:
+        return model
+    from sharding import make_mesh, shard_model  # here, not at the top: sharding imports k3jax.model
+
+    return shard_model(model, make_mesh(mesh))

@@ -1,0 +1,140 @@
+"""`convert`: a Hugging Face K3 release directory -> per-layer Orbax items (layout in `store`).
+
+The plan is built and checked from headers first, so a broken release fails before anything is
+written. Items are then made and written one at a time — peak host memory is about one item (the
+largest decoder layer or embedding table) plus Orbax's write staging — and each is committed to
+the manifest only once it is fully on disk, which is what makes `resume` safe after a kill.
+COMPLETE is written last, after the optional verification, so a failed or interrupted run never
+looks finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from pathlib import Path
+
+from flax import nnx
+from tqdm import tqdm
+
+from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex
+from k3jax.config import K3Config
+from k3jax.convert.plan import ConversionPlan, build_plan
+from k3jax.convert.store import (
+    COMPLETE, FORMAT, MANIFEST, VERSION, ItemStore, leaf_record, mark_complete, read_manifest, write_manifest,
+)
+from k3jax.convert.transform import materialize
+from k3jax.convert.verify import LOGITS_CHECK_MAX_BYTES, check_logits, find_bad_items
+from k3jax.model import K3Model
+
+DTYPES = ("bfloat16", "float32")
+EXPERT_DTYPES = {"bf16": "bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedConversion:
+    """Everything known before any tensor data is read."""
+
+    hf_dir: Path
+    index: CheckpointIndex
+    abstract: K3Model
+    plan: ConversionPlan
+    settings: dict  # what a resumed run must agree on
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertResult:
+    out_dir: Path
+    written: int  # items written by this call
+    skipped: int  # items already committed by an earlier, interrupted call
+    nbytes: int  # size of the whole converted model
+    seconds: float
+
+
+def plan_conversion(hf_dir: str | Path, *, dtype: str = "bfloat16", experts: str | None = None) -> PlannedConversion:
+    """Read config and shard headers and check the full leaf table against the abstract model."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {DTYPES}")
+    if experts is not None and experts not in EXPERT_DTYPES:
+        raise ValueError(f"experts={experts!r}: expected one of {sorted(EXPERT_DTYPES)} or None")
+    hf_dir = Path(hf_dir)
+    cfg = K3Config.from_hf(hf_dir, dtype=dtype)
+    index = CheckpointIndex.open(hf_dir)
+    abstract = nnx.eval_shape(lambda: K3Model.init(cfg))
+    plan = build_plan(index, abstract, experts_dtype=EXPERT_DTYPES.get(experts))
+    settings = {
+        "dtype": dtype, "experts": experts, "plan_fingerprint": plan.fingerprint,
+        "config_sha256": hashlib.sha256((hf_dir / "config.json").read_bytes()).hexdigest(),
+    }
+    return PlannedConversion(hf_dir, index, abstract, plan, settings)
+
+
+def convert(
+    hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16", experts: str | None = None,
+    resume: bool = False, verify: bool = False, progress: bool = True,
+) -> ConvertResult:
+    """Convert `hf_dir` into `out_dir`; with `resume`, continue an interrupted conversion there."""
+    start = time.perf_counter()
+    planned = plan_conversion(hf_dir, dtype=dtype, experts=experts)
+    root = Path(out_dir)
+    manifest = _open_output(root, planned, resume)
+    store = ItemStore(root)
+    store.remove_all_but(set(manifest["items"]))
+    todo = [item for item in planned.plan.items if item.name not in manifest["items"]]
+    done_bytes = planned.plan.nbytes - sum(item.nbytes for item in todo)
+    with tqdm(total=planned.plan.nbytes, initial=done_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+              desc="convert", disable=not progress, dynamic_ncols=True) as bar:
+        for item in todo:
+            bar.set_postfix_str(item.name)
+            leaves = {leaf.target: materialize(leaf, planned.index) for leaf in item.leaves}
+            store.save(item.name, leaves)
+            manifest["items"][item.name] = {name: leaf_record(array) for name, array in leaves.items()}
+            write_manifest(root, manifest)
+            del leaves
+            bar.update(item.nbytes)
+    if verify:
+        _verify(root, store, planned, manifest)
+    mark_complete(root)
+    return ConvertResult(root, len(todo), len(planned.plan.items) - len(todo), planned.plan.nbytes,
+                         time.perf_counter() - start)
+
+
+def _open_output(root: Path, planned: PlannedConversion, resume: bool) -> dict:
+    """A fresh manifest for an empty or new directory, or the one to resume after checking it matches."""
+    if root.exists() and any(root.iterdir()):
+        if not resume:
+            raise CheckpointError(f"{root} is not empty; pass --resume to continue a conversion there, "
+                                  "or choose a new directory")
+        if not (root / MANIFEST).is_file():
+            raise CheckpointError(f"{root} is not empty and has no {MANIFEST}: there is no conversion to resume")
+        manifest = read_manifest(root)
+        for key, value in planned.settings.items():
+            if manifest.get(key) != value:
+                raise CheckpointError(
+                    f"{root} was started with {key}={manifest.get(key)!r} but this run has {value!r} "
+                    "(different source checkpoint or options); use a new directory"
+                )
+    else:
+        root.mkdir(parents=True, exist_ok=True)
+        manifest = {"format": FORMAT, "version": VERSION, **planned.settings,
+                    "source": str(planned.hf_dir.resolve()), "items": {}}
+        write_manifest(root, manifest)
+    (root / "config.json").write_bytes((planned.hf_dir / "config.json").read_bytes())
+    return manifest
+
+
+def _verify(root: Path, store: ItemStore, planned: PlannedConversion, manifest: dict) -> None:
+    """Drop failing items from the manifest (so `--resume` rewrites them) and fail; else check logits."""
+    bad = find_bad_items(store, planned.plan, planned.index, manifest)
+    if bad:
+        for name in bad:
+            manifest["items"].pop(name, None)
+        (root / COMPLETE).unlink(missing_ok=True)
+        write_manifest(root, manifest)
+        store.remove_all_but(set(manifest["items"]))
+        details = "; ".join(f"{name}: {why}" for name, why in bad.items())
+        raise CheckpointError(f"verification of {root} failed for {len(bad)} item(s), removed so that "
+                              f"--resume rewrites them: {details}")
+    if planned.plan.nbytes <= LOGITS_CHECK_MAX_BYTES:
+        check_logits(root, manifest, planned.abstract, planned.plan, planned.index)

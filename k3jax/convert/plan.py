@@ -1,0 +1,282 @@
+"""The conversion plan: every model leaf, per decoder layer, with the checkpoint tensors it is made from.
+
+Built from the safetensors index and shard headers only, against the abstract model
+(`nnx.eval_shape` of `K3Model.init`), so a missing, unexpected, mis-shaped or mis-typed tensor is
+reported before any tensor data is read or anything is written. The plan is cut into items —
+`embed`, one per decoder layer, `head` — because an item is the unit the converter writes and the
+most it holds in memory; the model's stacked scan groups are rebuilt from the items at load time
+(`assemble`). The direct loader (`hf_loader`) and the Orbax converter run from this one plan, so
+they cannot disagree about names or transforms.
+
+Name map (model attribute paths mirror the checkpoint): item `layer_002`, leaf
+`self_attn.q_proj.weight` <- `model.layers.2.self_attn.q_proj.weight`. Transforms: routed experts
+are stacked from one tensor per expert (MXFP4 `weight_packed` + `weight_scale` decoded when present,
+plain `.weight` otherwise — decided per tensor, never from the config's `ignore` list); `A_log` is
+stored zero-padded to head_dim and sliced to the heads; anything else is copied; every leaf is cast
+to its target dtype. Vision tower and projector tensors are skipped: this is the text model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex, TensorInfo
+from k3jax.layer_plan import LayerPlan
+
+EMBED, HEAD = "embed", "head"
+EXPERTS_PREFIX = "block_sparse_moe.experts."
+_HEAD_LEVEL = {"norm", "output_attn_res_proj", "output_attn_res_norm", "lm_head"}
+_NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")
+_MXFP4_SUFFIXES = (".weight_packed", ".weight_scale")
+
+
+def layer_item(layer: int) -> str:
+    return f"layer_{layer:03d}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one model leaf (or one layer of a stacked group leaf) lives: an item and a leaf name in it."""
+
+    item: str
+    layer: int | None  # decoder layer index; None for the embed and head items
+    target: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """One leaf of an item: target shape/dtype, how it is made, and from which tensors.
+
+    `parts` holds one tuple of tensor names per piece: a single piece for copy / A_log, one per
+    expert (stacked on a new leading axis) for routed experts; an MXFP4 piece is (packed, scale).
+    """
+
+    target: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    kind: str  # "copy" | "a_log" | "experts"
+    parts: tuple[tuple[str, ...], ...]
+    transform: str  # human-readable, e.g. "stack 16 experts, MXFP4 decode -> bfloat16"
+    source_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemPlan:
+    name: str
+    leaves: tuple[LeafPlan, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+    def leaf(self, target: str) -> LeafPlan:
+        return next(leaf for leaf in self.leaves if leaf.target == target)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionPlan:
+    items: tuple[ItemPlan, ...]
+    fingerprint: str  # sha256 over the leaf table and the source headers it relies on
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self.items)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(leaf.source_bytes for item in self.items for leaf in item.leaves)
+
+    def item(self, name: str) -> ItemPlan:
+        return next(item for item in self.items if item.name == name)
+
+
+def path_names(key_path: tuple[Any, ...]) -> list[str | int]:
+    """A model leaf's key path as attribute names and list indices, without NNX's trailing `value`."""
+    names: list[str | int] = []
+    for key in key_path:
+        if isinstance(key, jax.tree_util.GetAttrKey):
+            names.append(key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            names.append(key.idx)
+        elif isinstance(key, jax.tree_util.DictKey):
+            names.append(key.key)
+    return names[:-1] if names and names[-1] == "value" else names
+
+
+def model_slots(path: list[str | int], plan: LayerPlan) -> list[Slot]:
+    """The slots of one model leaf: one, or one per group (in group order) for a stacked scan-group leaf."""
+    joined = ".".join(map(str, path))
+    if path[0] == "embed_tokens":
+        return [Slot(EMBED, None, joined)]
+    if path[0] in _HEAD_LEVEL:
+        return [Slot(HEAD, None, joined)]
+    section, position, local = path[0], int(path[1]), ".".join(map(str, path[2:]))
+    if section == "head_layers":
+        layers = [plan.head[position]]
+    elif section == "tail_layers":
+        layers = [plan.tail[position]]
+    else:
+        layers = [plan.start + g * plan.period + position for g in range(plan.num_groups)]
+    return [Slot(layer_item(i), i, local) for i in layers]
+
+
+def abstract_items(abstract) -> dict[str, dict[Slot, jax.ShapeDtypeStruct]]:
+    """Per item (embed, layers in order, head): its leaves' slots and per-layer abstract arrays."""
+    found: dict[str, dict[Slot, jax.ShapeDtypeStruct]] = {}
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        path = path_names(key_path)
+        stacked = path[0] == "group_layers"
+        shape = leaf.shape[1:] if stacked else leaf.shape
+        for slot in model_slots(path, abstract.plan):
+            found.setdefault(slot.item, {})[slot] = jax.ShapeDtypeStruct(shape, leaf.dtype)
+    layers = sorted(name for name in found if name.startswith("layer_"))
+    return {
+        name: dict(sorted(found[name].items(), key=lambda kv: kv[0].target))
+        for name in [EMBED, *layers, HEAD] if name in found
+    }
+
+
+class _Sources:
+    """Header-level view of the checkpoint by text-model name; records which tensors the plan uses."""
+
+    def __init__(self, index: CheckpointIndex) -> None:
+        self.index = index
+        names = index.names()
+        self.prefix = "language_model." if any(n.startswith("language_model.") for n in names) else ""
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return self.prefix + name in self.index
+
+    def info(self, name: str) -> TensorInfo:
+        full = self.prefix + name
+        if full not in self.index:
+            raise CheckpointError(f"tensor {full} is missing from the checkpoint at {self.index.directory}")
+        self.used.add(full)
+        return self.index.info(full)
+
+    def unexpected(self) -> list[str]:
+        return sorted(
+            n for n in self.index.names()
+            if n not in self.used and not n.startswith(_NON_TEXT_PREFIXES)
+        )
+
+
+def _source_name(slot: Slot) -> str:
+    if slot.layer is not None:
+        return f"model.layers.{slot.layer}.{slot.target}"
+    return slot.target if slot.target.startswith("lm_head.") else f"model.{slot.target}"
+
+
+def _shape_error(info: TensorInfo, expected: tuple[int, ...], note: str = "") -> CheckpointError:
+    return CheckpointError(
+        f"tensor {info.name} has shape {list(info.shape)}, the model expects {list(expected)}{note}"
+    )
+
+
+def _float_source(info: TensorInfo) -> TensorInfo:
+    """Weights must be floats (numpy's or ml_dtypes' bf16 / fp8); an integer tensor is a mislabelled one."""
+    try:
+        ml_dtypes.finfo(info.dtype)
+    except ValueError:
+        raise CheckpointError(f"tensor {info.name} has dtype {info.dtype.name}, expected a floating-point tensor") from None
+    return info
+
+
+def _plain(src: _Sources, name: str, shape: tuple[int, ...]) -> TensorInfo:
+    info = _float_source(src.info(name))
+    if info.shape != shape:
+        raise _shape_error(info, shape)
+    return info
+
+
+def _mxfp4(src: _Sources, base: str, shape: tuple[int, ...]) -> list[TensorInfo]:
+    """Header checks of one MXFP4 pair: uint8 [out, in/2] codes and uint8 [out, in/32] E8M0 scales."""
+    out, cols = shape
+    infos = [src.info(base + suffix) for suffix in _MXFP4_SUFFIXES]
+    for info, expected in zip(infos, [(out, cols // 2), (out, cols // 32)]):
+        if info.dtype != np.uint8:
+            raise CheckpointError(f"tensor {info.name} has dtype {info.dtype.name}, MXFP4 needs uint8")
+        if info.shape != expected or cols % 32:
+            raise _shape_error(info, expected, f" (MXFP4 packing of [{out}, {cols}])")
+    return infos
+
+
+def _plan_leaf(src: _Sources, slot: Slot, abstract: jax.ShapeDtypeStruct, dtype: np.dtype) -> LeafPlan:
+    name, shape = _source_name(slot), tuple(abstract.shape)
+    if slot.target.startswith(EXPERTS_PREFIX):
+        projection = slot.target.removeprefix(EXPERTS_PREFIX)
+        parts, infos = [], []
+        for e in range(shape[0]):
+            base = f"model.layers.{slot.layer}.{EXPERTS_PREFIX}{e}.{projection}"
+            if src.has(base + _MXFP4_SUFFIXES[0]):
+                pair = _mxfp4(src, base, shape[1:])
+            else:
+                pair = [_plain(src, base + ".weight", shape[1:])]
+            parts.append(tuple(i.name for i in pair))
+            infos.extend(pair)
+        decode = ", MXFP4 decode" if any(len(p) == 2 for p in parts) else ""
+        transform = f"stack {shape[0]} experts{decode} -> {dtype.name}"
+        return LeafPlan(slot.target, shape, dtype, "experts", tuple(parts), transform, sum(i.nbytes for i in infos))
+    if slot.target == "self_attn.A_log":
+        info = _float_source(src.info(name))
+        if len(info.shape) != 1 or info.shape[0] < shape[0]:
+            raise CheckpointError(
+                f"tensor {info.name} has shape {list(info.shape)}, expected [{shape[0]}] or a padded 1-D vector"
+            )
+        cast = "" if info.dtype == dtype else f", cast {info.dtype.name} -> {dtype.name}"
+        transform = f"A_log slice [{info.shape[0]}] -> [{shape[0]}]{cast}"
+        return LeafPlan(slot.target, shape, dtype, "a_log", ((info.name,),), transform, info.nbytes)
+    info = _plain(src, name, shape)
+    transform = "copy" if info.dtype == dtype else f"cast {info.dtype.name} -> {dtype.name}"
+    return LeafPlan(slot.target, shape, dtype, "copy", ((info.name,),), transform, info.nbytes)
+
+
+def build_plan(index: CheckpointIndex, abstract, *, experts_dtype: str | None = None) -> ConversionPlan:
+    """Plan every leaf of `abstract` (an `nnx.eval_shape` K3Model) from `index`'s headers.
+
+    Leaves are stored in the abstract model's dtypes; `experts_dtype` overrides that for the routed
+    experts (bfloat16 holds every MXFP4 value exactly, at half the bytes of float32).
+    """
+    src = _Sources(index)
+    items = []
+    for item_name, slots in abstract_items(abstract).items():
+        leaves = []
+        for slot, leaf in slots.items():
+            dtype = np.dtype(leaf.dtype)
+            if experts_dtype is not None and slot.target.startswith(EXPERTS_PREFIX):
+                dtype = np.dtype(experts_dtype)
+            leaves.append(_plan_leaf(src, slot, leaf, dtype))
+        items.append(ItemPlan(item_name, tuple(leaves)))
+    unexpected = src.unexpected()
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
+        raise CheckpointError(
+            f"{len(unexpected)} unexpected tensor(s) in {index.directory} that the model does not use: {shown}"
+        )
+    return ConversionPlan(tuple(items), _fingerprint(items, index))
+
+
+def _fingerprint(items: list[ItemPlan], index: CheckpointIndex) -> str:
+    """Identifies a conversion: the leaf table plus where each source tensor sits in its shard."""
+    table = []
+    for item in items:
+        for leaf in item.leaves:
+            sources = [index.info(n) for part in leaf.parts for n in part]
+            table.append([
+                item.name, leaf.target, list(leaf.shape), leaf.dtype.name, leaf.kind,
+                [[s.name, s.shard_path.name, s.dtype.name, list(s.shape), s.start, s.stop] for s in sources],
+            ])
+    return hashlib.sha256(json.dumps(table).encode()).hexdigest()

@@ -1,0 +1,68 @@
+"""`--verify`: re-read what was written and compare it with the source, leaf by leaf.
+
+Each leaf's sha256 is computed three ways — from the source transform, from the restored Orbax
+item, and as recorded in the manifest at write time — and all three must agree. When the model is
+small enough to hold twice, the converted model's logits on a few tokens must also equal, bit for
+bit, those of the model built straight from the release.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex
+from k3jax.convert.assemble import assemble_model
+from k3jax.convert.load import load_items
+from k3jax.convert.plan import ConversionPlan
+from k3jax.convert.store import ItemStore, leaf_record
+from k3jax.convert.transform import materialize
+from k3jax.model import K3Model
+
+LOGITS_CHECK_MAX_BYTES = 1 << 30
+_NUM_TOKENS = 8
+
+
+def find_bad_items(store: ItemStore, plan: ConversionPlan, index: CheckpointIndex, manifest: dict) -> dict[str, str]:
+    """Item name -> what is wrong with it, for every item whose leaves do not all match the source."""
+    bad: dict[str, str] = {}
+    for item in plan.items:
+        recorded = manifest["items"].get(item.name, {})
+        try:
+            on_disk = store.restore(item.name)
+        except Exception as err:  # any failure to read the item back is corruption to report
+            bad[item.name] = f"cannot be restored ({type(err).__name__}: {err})"
+            continue
+        if set(on_disk) != {leaf.target for leaf in item.leaves}:
+            bad[item.name] = f"holds leaves {sorted(on_disk)}, the plan has {[leaf.target for leaf in item.leaves]}"
+            continue
+        for leaf in item.leaves:
+            source = leaf_record(materialize(leaf, index))
+            written = leaf_record(on_disk[leaf.target])
+            if not source == written == recorded.get(leaf.target):
+                bad[item.name] = (f"leaf {leaf.target}: source {_short(source)}, on disk {_short(written)}, "
+                                  f"manifest {_short(recorded.get(leaf.target))}")
+                break
+    return bad
+
+
+def _short(record: dict | None) -> str:
+    if record is None:
+        return "absent"
+    return f"{record['dtype']}{record['shape']} sha256 {record['sha256'][:12]}"
+
+
+def check_logits(out_dir: Path, manifest: dict, abstract: K3Model, plan: ConversionPlan, index: CheckpointIndex) -> None:
+    """Logits of the converted model == logits of the model built directly from the source."""
+    direct = assemble_model(abstract, lambda item, target: materialize(plan.item(item).leaf(target), index))
+    converted = load_items(out_dir, manifest, dtype=abstract.config.dtype)
+    vocab = abstract.config.vocab_size
+    ids = jnp.asarray([[(7919 * i + 1) % vocab for i in range(_NUM_TOKENS)]], jnp.int32)
+    want, got = np.asarray(direct(ids)), np.asarray(converted(ids))
+    if not np.array_equal(want, got):
+        raise CheckpointError(
+            f"{out_dir}: logits of the converted model differ from the source's "
+            f"(max abs difference {np.max(np.abs(want - got)):.3g} on {_NUM_TOKENS} tokens)"
+        )

@@ -1,0 +1,22 @@
+"""`k3jax convert` output: a tqdm bar with bytes/s and ETA on stderr and a summary, or nothing with --quiet."""
+
+from __future__ import annotations
+
+from k3jax.cli import main
+
+
+def test_progress_bar_and_summary(tmp_path, golden_dir, capsys):
+    assert main(["convert", str(golden_dir), str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert "convert: 100%" in err and "B/s" in err and "<00:00" in err  # rate and ETA
+    assert "15 item(s) written, 0 already done, 8.6 MiB" in out
+
+
+def test_quiet_prints_nothing(tmp_path, golden_dir, capsys):
+    assert main(["convert", str(golden_dir), str(tmp_path / "out"), "--quiet"]) == 0
+    assert capsys.readouterr() == ("", "")
+
+
+def test_out_dir_is_required_without_plan_only(golden_dir, capsys):
+    assert main(["convert", str(golden_dir)]) == 2
+    assert "OUT_DIR is required" in capsys.readouterr().err

@@ -1,0 +1,92 @@
+"""The conversion plan: built from headers only, complete against the abstract model, printed by --plan-only."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.checkpoint import CheckpointIndex
+from k3jax.cli import main
+from k3jax.config import K3Config
+from k3jax.convert import plan_conversion
+from k3jax.convert.plan import abstract_items
+from k3jax.model import K3Model
+from tests.convert.conftest import write_variant
+
+
+def test_plan_is_built_from_headers_only(golden_dir, monkeypatch):
+    def no_data(*args, **kwargs):
+        raise AssertionError("the plan must not read tensor data")
+
+    monkeypatch.setattr(CheckpointIndex, "read", no_data)
+    monkeypatch.setattr(CheckpointIndex, "read_slice", no_data)
+    assert plan_conversion(golden_dir).plan.nbytes > 0
+
+
+def test_plan_matches_the_abstract_model_per_layer(golden_dir):
+    plan = plan_conversion(golden_dir, dtype="float32", experts="bf16").plan
+    cfg = K3Config.from_hf(golden_dir, dtype="float32")
+    abstract = nnx.eval_shape(lambda: K3Model.init(cfg))
+    expected = abstract_items(abstract)
+    assert [item.name for item in plan.items] == ["embed", *(f"layer_{i:03d}" for i in range(13)), "head"]
+    for item in plan.items:
+        targets = {slot.target: leaf for slot, leaf in expected[item.name].items()}
+        assert [leaf.target for leaf in item.leaves] == list(targets)
+        for leaf in item.leaves:
+            assert leaf.shape == targets[leaf.target].shape
+            is_expert = leaf.target.startswith("block_sparse_moe.experts.")
+            assert leaf.dtype == (np.dtype("bfloat16") if is_expert else np.dtype(targets[leaf.target].dtype))
+
+    w2 = plan.item("layer_005").leaf("block_sparse_moe.experts.w2")
+    assert w2.kind == "experts" and len(w2.parts) == 16
+    assert w2.parts[3] == ("language_model.model.layers.5.block_sparse_moe.experts.3.w2.weight_packed",
+                           "language_model.model.layers.5.block_sparse_moe.experts.3.w2.weight_scale")
+    a_log = plan.item("layer_000").leaf("self_attn.A_log")
+    assert (a_log.kind, a_log.shape, a_log.transform) == ("a_log", (4,), "A_log slice [32] -> [4]")
+    assert plan.item("head").leaf("lm_head.weight").parts == (("language_model.lm_head.weight",),)
+    assert plan.item("layer_002").leaf("self_attn.q_proj.weight").transform == "cast bfloat16 -> float32"
+
+
+def test_plan_only_prints_bytes_per_leaf_and_totals(golden_dir, capsys, tmp_path):
+    plan = plan_conversion(golden_dir).plan
+    assert main(["convert", str(golden_dir), "--plan-only"]) == 0
+    out = capsys.readouterr().out
+    assert "block_sparse_moe.experts.w1" in out
+    assert "stack 16 experts, MXFP4 decode -> bfloat16" in out
+    assert "layers.1.block_sparse_moe.experts.{0..15}.w1.weight_{packed,scale}" in out
+    assert f"items: 15, leaves: {sum(len(i.leaves) for i in plan.items)}" in out
+    assert f"total: {plan.nbytes} bytes written" in out
+    assert f"from {plan.source_bytes} bytes read" in out
+    row = next(line for line in out.splitlines() if line.startswith("embed "))
+    assert row.split()[:5] == ["embed", "embed_tokens.weight", "512x128", "bfloat16", str(512 * 128 * 2)]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.pop("language_model.model.layers.7.block_sparse_moe.experts.9.w1.weight_scale"),
+         "experts.9.w1.weight_scale is missing"),
+        (lambda t: t.update({"language_model.model.layers.3.self_attn.o_proj.weight": np.zeros((3, 3), np.float32)}),
+         "o_proj.weight has shape \\[3, 3\\], the model expects \\[128, 128\\]"),
+        (lambda t: t.update({"language_model.model.layers.4.block_sparse_moe.experts.0.w3.weight_packed":
+                             np.zeros((64, 16), np.uint8)}),
+         "experts.0.w3.weight_packed has shape \\[64, 16\\], the model expects \\[64, 32\\] \\(MXFP4 packing"),
+        (lambda t: t.update({"language_model.model.norm.weight": np.zeros(128, np.int32)}),
+         "norm.weight has dtype int32, expected a floating-point tensor"),
+        (lambda t: t.update({"language_model.model.layers.12.stray": np.zeros(2, np.float32)}),
+         "1 unexpected tensor.*layers.12.stray"),
+    ],
+    ids=["missing", "misshaped", "mxfp4-misshaped", "integer", "unexpected"],
+)
+def test_bad_release_fails_in_planning_before_any_write(tmp_path, golden_dir, golden_tensors, capsys, edit, message):
+    tensors = dict(golden_tensors)
+    edit(tensors)
+    source = write_variant(tmp_path / "hf", golden_dir, tensors)
+    assert main(["convert", str(source), str(tmp_path / "out"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    assert re.search(message, err), err
+    assert not (tmp_path / "out").exists()
