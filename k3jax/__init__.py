@@ -6,11 +6,11 @@
 """
 
 from k3jax.config import ConfigError, K3Config
-from k3jax.generate import decode_step, generate, prefill
+from k3jax.generate import GenerateOutput, decode_step, generate, left_pad, prefill
 from k3jax.model import K3Model, ModelCache, forward
 from k3jax.pretrained import from_pretrained
 
 __all__ = [
-    "ConfigError", "K3Config", "K3Model", "ModelCache", "decode_step", "forward", "from_pretrained", "generate",
-    "prefill",
+    "ConfigError", "GenerateOutput", "K3Config", "K3Model", "ModelCache", "decode_step", "forward", "from_pretrained",
+    "generate", "left_pad", "prefill",
 ]

@@ -1,35 +1,102 @@
-"""Inference with a cache: prefill, single-token decode steps, and a greedy/temperature generate loop.
+"""Inference with a cache: prefill, single-token decode steps, and a batched generate loop.
 
 The cache holds, per KDA layer, the fp32 recurrent state and the last W-1 raw conv inputs, and per
 MLA layer the latents of every position up to its capacity (see `ModelCache`). `decode_step` is the
 same forward pass on one token per sequence: KDA takes its recurrent step, MLA attends in the
 absorbed form.
+
+Prompts of different lengths share a batch with LEFT padding: `input_ids` [B, T] holds each prompt
+right-aligned and `prompt_lengths` [B] says how many tokens are real (`left_pad` builds both). K3
+has no positional encoding, so each row computes exactly what it would alone (see `run_model`);
+the pad positions only cost compute. All rows then decode in lockstep at the same cache position.
+
+`generate` has two loops over the same pieces, both with one preallocated cache:
+  * no `on_token`: prefill and a `lax.scan` of decode steps in ONE jitted program (one dispatch,
+    the cache is updated in place in the loop carry);
+  * `on_token`: a Python loop over the jitted `_decode_step`, whose cache argument is donated (its
+    buffers are reused step to step). The callback then runs in the caller's thread, in order, with
+    ordinary Python semantics (exceptions propagate, it may touch any state), no host callbacks in
+    the compiled program (which sharded / multi-host programs restrict), and the loop stops early
+    once every row has emitted a stop token.
+Both draw the step-i token with the i-th of `jax.random.split(key(seed), max_new_tokens)`, so they
+return the same tokens.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from k3jax.model import K3Model, ModelCache, _check_ids, run_model
+from k3jax.sampling import SamplingParams, sample_with
+
+
+class GenerateOutput(NamedTuple):
+    tokens: jax.Array  # int32 [B, N]; after a row's stop token, pad_token_id
+    lengths: jax.Array  # int32 [B]: tokens generated per row, its stop token included
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Token lists of different lengths -> (input_ids int32 [B, max_len] left-padded, lengths int32 [B])."""
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("left_pad: expected at least one sequence, none of them empty")
+    width = max(len(s) for s in sequences)
+    ids = np.full((len(sequences), width), pad_token_id, np.int32)
+    for b, s in enumerate(sequences):
+        ids[b, width - len(s):] = np.asarray(s, np.int32)
+    return jnp.asarray(ids), jnp.asarray([len(s) for s in sequences], jnp.int32)
+
+
+def _pad_start(ids: jax.Array, prompt_lengths=None, attention_mask=None) -> jax.Array | None:
+    """int32 [B] first real position of each row, from the prompt lengths or a left-padding
+    attention mask [B, T] (1 = real token); None: no padding."""
+    if attention_mask is not None:
+        if prompt_lengths is not None:
+            raise ValueError("give prompt_lengths or attention_mask, not both")
+        mask = np.asarray(attention_mask).astype(bool)
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask must have the shape of input_ids {ids.shape}; got {mask.shape}")
+        if np.any(mask[:, :-1] & ~mask[:, 1:]):
+            raise ValueError("attention_mask must be LEFT padding (zeros, then ones in every row); see left_pad")
+        prompt_lengths = mask.sum(axis=1)
+    if prompt_lengths is None:
+        return None
+    lengths = np.asarray(prompt_lengths)
+    if lengths.shape != (ids.shape[0],) or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"prompt_lengths must be integers [batch={ids.shape[0]}]; got {lengths.dtype} {lengths.shape}")
+    if lengths.min() < 1 or lengths.max() > ids.shape[1]:
+        raise ValueError(f"prompt_lengths must lie in [1, {ids.shape[1]}] (the padded prompt width); got {lengths}")
+    return jnp.asarray(ids.shape[1] - lengths, jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",))
-def _prefill(model: K3Model, ids: jax.Array, capacity: int) -> tuple[jax.Array, ModelCache]:
+def _prefill(
+    model: K3Model, ids: jax.Array, capacity: int, start: jax.Array | None = None
+) -> tuple[jax.Array, ModelCache]:
     cache = model.empty_cache(ids.shape[0], capacity)
-    out, cache = run_model(model, ids, cache)
+    out, cache = run_model(model, ids, cache, start=start)
     return out.logits, cache
 
 
-def prefill(model: K3Model, input_ids: jax.Array, *, capacity: int | None = None) -> tuple[jax.Array, ModelCache]:
-    """Run the prompt [B, T] and return (logits [B, T, vocab] fp32, cache with room for `capacity` tokens)."""
+def prefill(
+    model: K3Model, input_ids: jax.Array, *, capacity: int | None = None, prompt_lengths=None, attention_mask=None
+) -> tuple[jax.Array, ModelCache]:
+    """Run the prompt [B, T] and return (logits [B, T, vocab] fp32, cache with room for `capacity` tokens).
+
+    With `prompt_lengths` [B] (or a left-padding `attention_mask` [B, T]), the prompts are left-padded
+    to T (see `left_pad`); the cache remembers
+    the padding, so later `decode_step`s keep the pads masked. Logits at pad positions are meaningless.
+    """
     ids = _check_ids(input_ids, model.config)
     capacity = capacity if capacity is not None else ids.shape[1]
     if capacity < ids.shape[1]:
         raise ValueError(f"capacity={capacity} is smaller than the prompt length {ids.shape[1]}")
-    return _prefill(model, ids, capacity)
+    return _prefill(model, ids, capacity, _pad_start(ids, prompt_lengths, attention_mask))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -51,36 +118,103 @@ def decode_step(model: K3Model, cache: ModelCache, tokens: jax.Array) -> tuple[j
     return _decode_step(model, cache, tokens.astype(jnp.int32))
 
 
-def _pick(logits: jax.Array, temperature: float, key: jax.Array) -> jax.Array:
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+def _select(
+    params: SamplingParams, logits: jax.Array, key: jax.Array, done: jax.Array, lengths: jax.Array,
+    stop: jax.Array, pad: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pick the next token of every row; rows already stopped emit `pad`. -> (token, done, lengths)."""
+    token = jnp.where(done, pad, sample_with(params, logits, key))
+    lengths = lengths + (~done).astype(jnp.int32)
+    done = done | jnp.any(token[:, None] == stop[None, :], axis=-1)
+    return token, done, lengths
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "temperature"))
-def _generate(model: K3Model, ids: jax.Array, key: jax.Array, max_new_tokens: int, temperature: float) -> jax.Array:
-    cache = model.empty_cache(ids.shape[0], ids.shape[1] + max_new_tokens)
-    out, cache = run_model(model, ids, cache)
+_select_jit = jax.jit(_select, static_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnames=("params", "max_new_tokens", "capacity"))
+def _generate(
+    model: K3Model, ids: jax.Array, start: jax.Array | None, key: jax.Array, stop: jax.Array, pad: jax.Array,
+    *, params: SamplingParams, max_new_tokens: int, capacity: int,
+) -> tuple[jax.Array, jax.Array]:
+    cache = model.empty_cache(ids.shape[0], capacity)
+    out, cache = run_model(model, ids, cache, start=start)
     keys = jax.random.split(key, max_new_tokens)
-    first = _pick(out.logits[:, -1], temperature, keys[0])
+    done = jnp.zeros(ids.shape[0], bool)
+    first, done, lengths = _select(params, out.logits[:, -1], keys[0], done, jnp.zeros(ids.shape[0], jnp.int32),
+                                   stop, pad)
 
     def step(carry, step_key):
-        token, cache = carry
+        token, done, lengths, cache = carry
         step_out, cache = run_model(model, token[:, None], cache)
-        next_token = _pick(step_out.logits[:, 0], temperature, step_key)
-        return (next_token, cache), next_token
+        token, done, lengths = _select(params, step_out.logits[:, 0], step_key, done, lengths, stop, pad)
+        return (token, done, lengths, cache), token
 
-    _, rest = jax.lax.scan(step, (first, cache), keys[1:])
-    return jnp.concatenate([first[:, None], rest.T], axis=1)
+    (_, _, lengths, _), rest = jax.lax.scan(step, (first, done, lengths, cache), keys[1:])
+    return jnp.concatenate([first[:, None], rest.T], axis=1), lengths
+
+
+def _streamed(
+    model: K3Model, ids: jax.Array, start: jax.Array | None, key: jax.Array, stop: jax.Array, pad: jax.Array,
+    params: SamplingParams, max_new_tokens: int, capacity: int, on_token: Callable[[np.ndarray], object],
+) -> tuple[jax.Array, jax.Array]:
+    logits, cache = _prefill(model, ids, capacity, start)
+    keys = jax.random.split(key, max_new_tokens)
+    batch = ids.shape[0]
+    done, lengths = jnp.zeros(batch, bool), jnp.zeros(batch, jnp.int32)
+    last = logits[:, -1]
+    tokens = []
+    for i in range(max_new_tokens):
+        if i:
+            last, cache = _decode_step(model, cache, tokens[-1])
+        token, done, lengths = _select_jit(params, last, keys[i], done, lengths, stop, pad)
+        tokens.append(token)
+        on_token(np.asarray(token))
+        if i + 1 < max_new_tokens and bool(jnp.all(done)):  # every row stopped: the rest is padding
+            tokens.extend([jnp.broadcast_to(pad, (batch,))] * (max_new_tokens - i - 1))
+            break
+    return jnp.stack(tokens, axis=1), lengths
 
 
 def generate(
-    model: K3Model, input_ids: jax.Array, *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
-) -> jax.Array:
-    """Continue each prompt by `max_new_tokens` tokens: int32 [B, N]. Greedy at temperature 0."""
+    model: K3Model, input_ids: jax.Array, *, max_new_tokens: int, temperature: float = 0.0,
+    top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_tokens: Sequence[int] = (),
+    pad_token_id: int | None = None, prompt_lengths=None, attention_mask=None, capacity: int | None = None,
+    on_token: Callable[[np.ndarray], object] | None = None, return_lengths: bool = False,
+) -> jax.Array | GenerateOutput:
+    """Continue each prompt by up to `max_new_tokens` tokens: int32 [B, N]. Greedy at temperature 0.
+
+    input_ids: int32 [B, T]; with `prompt_lengths` [B] (or `attention_mask` [B, T], 1 = real token)
+        the prompts are LEFT-padded to T (`left_pad`); each row then generates what it would alone.
+    temperature / top_k / top_p: see `k3jax.sampling`; `seed` makes sampling reproducible.
+    stop_tokens: once a row emits one of these, it emits `pad_token_id` (default: the config's, else
+        0) afterwards; the loop still runs for max_new_tokens steps unless streaming.
+    capacity: the cache size; it must hold the prompt and every generated token but the last
+        (T + max_new_tokens - 1), which is also the default.
+    on_token: called with each step's tokens (numpy int32 [B]) as they are produced, in order.
+    return_lengths: return GenerateOutput(tokens, lengths) with the per-row generated lengths.
+    """
     ids = _check_ids(input_ids, model.config)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected at least 1")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature}: expected >= 0")
-    return _generate(model, ids, jax.random.key(seed), max_new_tokens, float(temperature))
+    params = SamplingParams(float(temperature), top_k, top_p)
+    needed = ids.shape[1] + max_new_tokens - 1
+    if capacity is None:
+        capacity = needed
+    elif needed > capacity:
+        raise ValueError(
+            f"the prompt ({ids.shape[1]} tokens) and max_new_tokens={max_new_tokens} need a cache of "
+            f"{needed} tokens (the last new token is not cached), but capacity={capacity}"
+        )
+    start = _pad_start(ids, prompt_lengths, attention_mask)
+    if pad_token_id is None:
+        pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    # Padded with -1 to a multiple of 8 entries, so up to 8 stop tokens share one compiled program.
+    stop_list = [int(t) for t in stop_tokens]
+    stop = jnp.asarray(stop_list + [-1] * (-len(stop_list) % 8 or (8 if not stop_list else 0)), jnp.int32)
+    args = (model, ids, start, jax.random.key(seed), stop, jnp.asarray(pad_token_id, jnp.int32))
+    if on_token is None:
+        tokens, lengths = _generate(*args, params=params, max_new_tokens=max_new_tokens, capacity=capacity)
+    else:
+        tokens, lengths = _streamed(*args, params, max_new_tokens, capacity, on_token)
+    return GenerateOutput(tokens, lengths) if return_lengths else tokens

@@ -30,6 +30,9 @@ class ModelCache(NamedTuple):
     groups: tuple[LayerCache, ...]  # one entry per position in a group, each stacked [G, ...]
     tail: tuple[LayerCache, ...]
     length: jax.Array  # int32 scalar
+    # int32 [B]: position of each row's first real token; the positions before it are left padding
+    # (masked out of attention, identity steps for KDA). None: no padding.
+    start: jax.Array | None = None
 
     @property
     def capacity(self) -> int:
@@ -130,11 +133,20 @@ def _check_ids(input_ids: jax.Array, cfg: K3Config) -> jax.Array:
 
 
 def run_model(
-    model: K3Model, input_ids: jax.Array, cache: ModelCache | None = None, *, collect_taps: bool = False
+    model: K3Model, input_ids: jax.Array, cache: ModelCache | None = None, *, collect_taps: bool = False,
+    start: jax.Array | None = None,
 ) -> tuple[ForwardOutput, ModelCache | None]:
-    """The whole forward pass. With a cache, the tokens continue the cached sequence."""
+    """The whole forward pass. With a cache, the tokens continue the cached sequence.
+
+    `start` (int32 [B], or taken from the cache) marks left padding: row b's tokens before position
+    start[b] are pads. K3 has no positional encoding, so a left-padded row computes exactly what the
+    row alone would: pad keys are masked out of MLA, pad steps leave the KDA state and conv window
+    untouched, AttnRes and MoE are per token. Logits at pad positions are meaningless.
+    """
     cfg, plan = model.config, model.plan
     position = cache.length if cache is not None else jnp.zeros((), jnp.int32)
+    if start is None and cache is not None:
+        start = cache.start
     stream = AttnResStream.start(model.embed_tokens(input_ids), cfg.num_attn_res_blocks)
     taps: list[LayerTaps] = []
 
@@ -142,7 +154,7 @@ def run_model(
         nonlocal stream
         new_caches = []
         for k, (layer, index) in enumerate(zip(layers, indices)):
-            stream, new_cache, tap = layer(stream, index, caches[k] if caches else None, position)
+            stream, new_cache, tap = layer(stream, index, caches[k] if caches else None, position, start)
             new_caches.append(new_cache)
             taps.append(tap)
         return tuple(new_caches)
@@ -156,7 +168,7 @@ def run_model(
             new_caches, group_taps = [], []
             for j, layer in enumerate(group):
                 index = plan.start + g * plan.period + j
-                carry, new_cache, tap = layer(carry, index, group_cache[j] if cache else None, position)
+                carry, new_cache, tap = layer(carry, index, group_cache[j] if cache else None, position, start)
                 new_caches.append(new_cache)
                 group_taps.append(tap if collect_taps else None)
             return carry, (tuple(new_caches) if cache else None, tuple(group_taps))
@@ -176,7 +188,7 @@ def run_model(
     hidden = model.norm(final_mix)
     logits = linear(hidden, model.lm_head.weight[...]).astype(F32)
     out = ForwardOutput(logits, hidden, final_mix, tuple(taps) if collect_taps else None)
-    new_cache = ModelCache(head, groups, tail, position + input_ids.shape[1]) if cache is not None else None
+    new_cache = ModelCache(head, groups, tail, position + input_ids.shape[1], start) if cache is not None else None
     return out, new_cache
 
 

@@ -62,16 +62,18 @@ class DecoderLayer(nnx.Module):
 
     def __call__(
         self, stream: AttnResStream, layer_index: jax.Array | int, cache: LayerCache | None = None,
-        position: jax.Array | int = 0,
+        position: jax.Array | int = 0, start: jax.Array | None = None,
     ) -> tuple[AttnResStream, LayerCache | None, LayerTaps]:
+        """`start` int32 [B]: first real position of each row (left padding before it), or None."""
         attn_in = self._mix(stream, self.self_attention_res_proj, self.self_attention_res_norm)
         stream = stream.push_block_if(layer_index % self.block_size == 0)
 
         mixer_in = self.input_layernorm(attn_in)
         if self.mixer_kind == "kda":
-            attn_out, cache = self.self_attn(mixer_in, cache)
+            valid = None if start is None else position + jnp.arange(mixer_in.shape[1]) >= start[:, None]
+            attn_out, cache = self.self_attn(mixer_in, cache, valid)
         else:
-            attn_out, cache = self.self_attn(mixer_in, cache, position)
+            attn_out, cache = self.self_attn(mixer_in, cache, position, start)
         stream = stream.add(attn_out)
 
         mlp_in = self._mix(stream, self.mlp_res_proj, self.mlp_res_norm)

@@ -87,11 +87,20 @@ class KimiDeltaAttention(nnx.Module):
         self.num_heads, self.head_dim = h, k
         self.lower_bound, self.norm_eps = cfg.kda_gate_lower_bound, cfg.rms_norm_eps
 
-    def __call__(self, x: jax.Array, cache: KDACache | None = None) -> tuple[jax.Array, KDACache | None]:
-        """x [B, T, D] (already input-normalised). With a cache, continues from it (T == 1: decode step)."""
+    def __call__(
+        self, x: jax.Array, cache: KDACache | None = None, valid: jax.Array | None = None
+    ) -> tuple[jax.Array, KDACache | None]:
+        """x [B, T, D] (already input-normalised). With a cache, continues from it (T == 1: decode step).
+
+        `valid` bool [B, T] (False at left padding): pad steps are identities (raw q/k/v zeroed, so
+        the conv windows of the first real tokens see zeros as in an unpadded run; g = beta = 0, so
+        the state is untouched).
+        """
         batch, seq, _ = x.shape
         h, k = self.num_heads, self.head_dim
         raw = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)  # [B, T, 3P]
+        if valid is not None:
+            raw = jnp.where(valid[..., None], raw, jnp.zeros((), raw.dtype))
         conv_weight = jnp.concatenate(
             [self.q_conv1d.weight[...], self.k_conv1d.weight[...], self.v_conv1d.weight[...]], axis=0
         )
@@ -100,6 +109,8 @@ class KimiDeltaAttention(nnx.Module):
         q, key, v = (t.reshape(batch, seq, h, k) for t in jnp.split(qkv, 3, axis=-1))
         q, key = l2_normalize(q), l2_normalize(key)
         g, beta = self.decay_and_beta(x)
+        if valid is not None:
+            g, beta = jnp.where(valid[..., None, None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
 
         if cache is not None and seq == 1:
             o, state = kda_decode(q[:, 0], key[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state)

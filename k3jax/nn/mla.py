@@ -48,9 +48,14 @@ class GatedMLA(nnx.Module):
         self.scale = cfg.qk_head_dim**-0.5
 
     def __call__(
-        self, x: jax.Array, cache: MLACache | None = None, position: jax.Array | int = 0
+        self, x: jax.Array, cache: MLACache | None = None, position: jax.Array | int = 0,
+        start: jax.Array | None = None,
     ) -> tuple[jax.Array, MLACache | None]:
-        """x [B, T, D]. With a cache, the T new tokens sit at positions [position, position + T)."""
+        """x [B, T, D]. With a cache, the T new tokens sit at positions [position, position + T).
+
+        `start` int32 [B]: keys before start[b] are left padding and hidden from row b (a pad query
+        still sees itself, so no softmax row is empty).
+        """
         batch, seq, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).reshape(batch, seq, self.num_heads, -1)
         ckv = self.kv_a_proj_with_mqa(x)
@@ -63,6 +68,9 @@ class GatedMLA(nnx.Module):
             latents = jax.lax.dynamic_update_slice_in_dim(cache.latent, latent.astype(cache.latent.dtype), position, 1)
             key_pos = jnp.arange(latents.shape[1])
         mask = key_pos[None, :] <= query_pos[:, None]  # [T, S] causal (also hides unwritten cache rows)
+        if start is not None:
+            real = (key_pos[None, None, :] >= start[:, None, None]) | (key_pos[None, :] == query_pos[:, None])
+            mask = (mask & real)[:, None]  # [B, 1, T, S]
 
         if cache is not None and seq == 1:
             o = self._attend_absorbed(q, latents, mask)
