@@ -117,7 +117,10 @@ class KimiDeltaAttention(nnx.Module):
             o = o[:, None]
         else:
             initial = cache.state if cache is not None else None
-            o, state = chunk_kda(q, key, v, g, beta, initial_state=initial, output_final_state=cache is not None)
+            o, state = chunk_kda(
+                q, key, v, g, beta, initial_state=initial, output_final_state=cache is not None,
+                lower_bound=self.lower_bound,  # g > lb by construction: lets GPU use the safe-gate kernel
+            )
 
         gate = self.g_proj(x).reshape(batch, seq, h, k)
         o = gated_head_rms_norm(o, self.o_norm.weight[...], gate, self.norm_eps)
