@@ -84,12 +84,15 @@ class K3Model(nnx.Module):
         self.lm_head = Linear(d, cfg.vocab_size, dtype=dtype, axes=("vocab", "embed"), rngs=rngs, gain=2.0)
 
     @classmethod
-    def init(cls, cfg: K3Config, *, seed: int = 0, moe_implementation: str = "auto") -> "K3Model":
+    def init(
+        cls, cfg: K3Config, *, seed: int = 0, moe_implementation: str = "auto", kda_implementation: str = "auto"
+    ) -> "K3Model":
         """A randomly initialised model (tests, demos, abstract shapes via `nnx.eval_shape`)."""
         rngs = nnx.Rngs(seed)
         dtype = jnp.dtype(cfg.dtype)
         layers = [
-            DecoderLayer(cfg, mixer, ffn, dtype=dtype, rngs=rngs, moe_implementation=moe_implementation)
+            DecoderLayer(cfg, mixer, ffn, dtype=dtype, rngs=rngs, moe_implementation=moe_implementation,
+                         kda_implementation=kda_implementation)
             for mixer, ffn in cfg.layer_kinds
         ]
         return cls(cfg, layers, rngs=rngs)

@@ -40,15 +40,16 @@ class LayerTaps(NamedTuple):
 class DecoderLayer(nnx.Module):
     def __init__(
         self, cfg: K3Config, mixer: MixerKind, ffn: FfnKind, *, dtype: jnp.dtype, rngs: nnx.Rngs,
-        moe_implementation: str = "auto",
+        moe_implementation: str = "auto", kda_implementation: str = "auto",
     ) -> None:
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attention_res_proj = Linear(d, 1, dtype=dtype, axes=(None, "embed"), rngs=rngs)
         self.self_attention_res_norm = RMSNorm(d, eps, dtype=dtype, axis="embed", rngs=rngs)
         self.input_layernorm = RMSNorm(d, eps, dtype=dtype, axis="embed", rngs=rngs)
-        self.self_attn = (
-            KimiDeltaAttention(cfg, dtype=dtype, rngs=rngs) if mixer == "kda" else GatedMLA(cfg, dtype=dtype, rngs=rngs)
-        )
+        if mixer == "kda":
+            self.self_attn = KimiDeltaAttention(cfg, dtype=dtype, rngs=rngs, implementation=kda_implementation)
+        else:
+            self.self_attn = GatedMLA(cfg, dtype=dtype, rngs=rngs)
         self.mlp_res_proj = Linear(d, 1, dtype=dtype, axes=(None, "embed"), rngs=rngs)
         self.mlp_res_norm = RMSNorm(d, eps, dtype=dtype, axis="embed", rngs=rngs)
         self.post_attention_layernorm = RMSNorm(d, eps, dtype=dtype, axis="embed", rngs=rngs)

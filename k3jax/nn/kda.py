@@ -65,7 +65,7 @@ def gated_head_rms_norm(o: jax.Array, weight: jax.Array, gate: jax.Array, eps: f
 
 
 class KimiDeltaAttention(nnx.Module):
-    def __init__(self, cfg: K3Config, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: K3Config, *, dtype: jnp.dtype, rngs: nnx.Rngs, implementation: str = "auto") -> None:
         d, p, h, k = cfg.hidden_size, cfg.kda_proj_dim, cfg.kda_num_heads, cfg.kda_head_dim
         proj_axes = ("kda_proj", "embed")
         self.q_proj = Linear(d, p, dtype=dtype, axes=proj_axes, rngs=rngs)
@@ -86,6 +86,7 @@ class KimiDeltaAttention(nnx.Module):
         self.o_proj = Linear(p, d, dtype=dtype, axes=("embed", "kda_proj"), rngs=rngs, gain=0.5)
         self.num_heads, self.head_dim = h, k
         self.lower_bound, self.norm_eps = cfg.kda_gate_lower_bound, cfg.rms_norm_eps
+        self.implementation = implementation  # chunk_kda dispatch: "auto" | "xla" | "pallas"
 
     def __call__(
         self, x: jax.Array, cache: KDACache | None = None, valid: jax.Array | None = None
@@ -120,6 +121,7 @@ class KimiDeltaAttention(nnx.Module):
             o, state = chunk_kda(
                 q, key, v, g, beta, initial_state=initial, output_final_state=cache is not None,
                 lower_bound=self.lower_bound,  # g > lb by construction: lets GPU use the safe-gate kernel
+                implementation=self.implementation,
             )
 
         gate = self.g_proj(x).reshape(batch, seq, h, k)
