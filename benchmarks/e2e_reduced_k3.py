@@ -1,0 +1,113 @@
+"""End-to-end prefill and decode tokens/s of a reduced-depth K3 at full width: Pallas kernels vs XLA.
+
+The model keeps K3's widths (hidden 7168, 96 KDA/MLA heads, latent experts 3584 -> 3072, vocab
+163840) with fewer layers and experts so that it fits one H200. Both variants share the same
+random bf16 weights; only the kernel dispatch differs ("auto" = Pallas MoE + Pallas KDA on GPU,
+"xla" = lax.ragged_dot + the pure-JAX chunked KDA). Decode uses the recurrent KDA step in both.
+
+    PYTHONPATH=. python benchmarks/e2e_reduced_k3.py --layers 8 --experts 64 --out e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import K3Config
+from k3jax.generate import _decode_step, _prefill
+from k3jax.model import K3Model
+
+
+def reduced_config(path: str, layers: int, experts: int) -> K3Config:
+    cfg = K3Config.from_hf(path)
+    kinds = cfg.mixer_kinds[: layers - 1] + ("mla",)  # K3 ends on an MLA layer
+    return dataclasses.replace(
+        cfg, num_hidden_layers=layers, mixer_kinds=kinds, num_experts=experts,
+        num_experts_per_token=min(cfg.num_experts_per_token, experts),
+    )
+
+
+def set_kernels(model: K3Model, implementation: str) -> None:
+    """Point every KDA and MoE module at one dispatch choice (static attributes: the next call recompiles)."""
+    layers = [*model.head_layers, *model.tail_layers, *(model.group_layers or [])]
+    for layer in layers:
+        if layer.mixer_kind == "kda":
+            layer.self_attn.implementation = implementation
+        if layer.ffn_kind == "moe":
+            layer.block_sparse_moe.implementation = implementation
+
+
+def median_seconds(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())  # compile + warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="configs/kimi_k3.json")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--prefill-len", type=int, default=4096)
+    parser.add_argument("--decode-batch", type=int, default=32)
+    parser.add_argument("--decode-context", type=int, default=1024)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    cfg = reduced_config(args.config, args.layers, args.experts)
+    model = K3Model.init(cfg, seed=0)
+    params = sum(x.size for x in jax.tree.leaves(model))
+    results = {"device": str(jax.devices()[0]), "layers": cfg.num_hidden_layers, "experts": cfg.num_experts,
+               "top_k": cfg.num_experts_per_token, "hidden": cfg.hidden_size, "params": params, "runs": {}}
+    print(json.dumps(results), flush=True)
+    key = jax.random.key(0)
+    prompt = jax.random.randint(key, (1, args.prefill_len), 0, cfg.vocab_size, jnp.int32)
+    context = jax.random.randint(key, (args.decode_batch, args.decode_context), 0, cfg.vocab_size, jnp.int32)
+    capacity = args.decode_context + args.decode_steps * (args.repeats + 2)
+
+    check_ids = prompt[:, :256]
+    check_logits = {}
+    for implementation in ("auto", "xla"):
+        set_kernels(model, implementation)
+        check_logits[implementation] = _prefill(model, check_ids, check_ids.shape[1])[0].astype(jnp.float32)
+        prefill_s = median_seconds(lambda: _prefill(model, prompt, args.prefill_len)[0], args.repeats)
+        _, cache = _prefill(model, context, capacity)
+        tokens = context[:, -1]
+
+        def decode_steps():
+            nonlocal cache
+            for _ in range(args.decode_steps):
+                logits, cache = _decode_step(model, cache, tokens)
+            return logits
+
+        decode_s = median_seconds(decode_steps, args.repeats)
+        run = {
+            "prefill_tokens_per_s": args.prefill_len / prefill_s, "prefill_ms": prefill_s * 1e3,
+            "decode_tokens_per_s": args.decode_batch * args.decode_steps / decode_s,
+            "decode_step_ms": decode_s / args.decode_steps * 1e3,
+        }
+        results["runs"][implementation] = run
+        print(implementation, json.dumps(run), flush=True)
+        del cache
+    diff = check_logits["auto"] - check_logits["xla"]
+    results["logits_rel_rms_auto_vs_xla"] = float(jnp.sqrt(jnp.mean(diff**2) / jnp.mean(check_logits["xla"] ** 2)))
+    print("logits rel-RMS auto vs xla (bf16, 256 tokens):", results["logits_rel_rms_auto_vs_xla"], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
