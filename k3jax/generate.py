@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.model import K3Model, ModelCache, _check_ids, run_model
+from k3jax.model import K3Model, ModelCache, check_input_ids, run_model
 from k3jax.sampling import SamplingParams, sample_with
 
 
@@ -92,7 +92,7 @@ def prefill(
     to T (see `left_pad`); the cache remembers
     the padding, so later `decode_step`s keep the pads masked. Logits at pad positions are meaningless.
     """
-    ids = _check_ids(input_ids, model.config)
+    ids = check_input_ids(input_ids, model.config)
     capacity = capacity if capacity is not None else ids.shape[1]
     if capacity < ids.shape[1]:
         raise ValueError(f"capacity={capacity} is smaller than the prompt length {ids.shape[1]}")
@@ -194,7 +194,7 @@ def generate(
     on_token: called with each step's tokens (numpy int32 [B]) as they are produced, in order.
     return_lengths: return GenerateOutput(tokens, lengths) with the per-row generated lengths.
     """
-    ids = _check_ids(input_ids, model.config)
+    ids = check_input_ids(input_ids, model.config)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected at least 1")
     params = SamplingParams(float(temperature), top_k, top_p)

@@ -109,7 +109,7 @@ class K3Model(nnx.Module):
     # ---- forward ------------------------------------------------------------------------
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         """int32 [B, T] -> float32 logits [B, T, vocab]."""
-        return forward(self, _check_ids(input_ids, self.config)).logits
+        return forward(self, check_input_ids(input_ids, self.config)).logits
 
     def empty_cache(self, batch: int, capacity: int) -> ModelCache:
         dtype = jnp.dtype(self.config.dtype)
@@ -126,12 +126,17 @@ class K3Model(nnx.Module):
         )
 
 
-def _check_ids(input_ids: jax.Array, cfg: K3Config) -> jax.Array:
+def check_input_ids(input_ids: jax.Array, cfg: K3Config) -> jax.Array:
+    """int32 [B, T] token ids; out-of-vocabulary ids are an error (the embedding lookup would clamp them)."""
     ids = jnp.asarray(input_ids)
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"input_ids must be an integer array [batch, seq]; got {ids.dtype} {ids.shape}")
     if ids.shape[1] == 0:
         raise ValueError("input_ids has no tokens (shape [batch, 0])")
+    if not isinstance(ids, jax.core.Tracer) and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
+        raise ValueError(
+            f"input_ids must lie in [0, vocab_size={cfg.vocab_size}); got values in [{int(ids.min())}, {int(ids.max())}]"
+        )
     return ids.astype(jnp.int32)
 
 

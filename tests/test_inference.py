@@ -42,6 +42,8 @@ def test_prefill_rejects_small_capacity_and_bad_ids(golden_model_fp32):
         golden_model_fp32(jnp.ones((4,), jnp.int32))
     with pytest.raises(ValueError, match="input_ids"):
         golden_model_fp32(jnp.ones((1, 4), jnp.float32))
+    with pytest.raises(ValueError, match="vocab_size=512"):
+        golden_model_fp32(jnp.asarray([[1, 512]], jnp.int32))
 
 
 def test_sampling_is_seeded(golden_model_fp32):
