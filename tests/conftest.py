@@ -5,13 +5,20 @@ fp32 comparisons need full-precision matmuls (GPU would otherwise use TF32).
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+
+# One OpenBLAS thread: with 8 fake CPU devices on 2 cores, the chunked KDA's triangular solves run
+# on all devices at once and spinning BLAS threads make the suite many times slower.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+from pathlib import Path  # noqa: E402
 
 import jax
 import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_num_cpu_devices", 8)  # fake CPU devices for tests/sharding; set before any backend starts
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden" / "k3-tiny-a"
 
