@@ -1,4 +1,4 @@
-"""The `k3jax` command line: `demo`, `generate` and `convert`."""
+"""The `k3jax` command line: `demo`, `generate`, `convert` and `plan`."""
 
 from __future__ import annotations
 
@@ -53,14 +53,28 @@ def _run_convert(args: argparse.Namespace) -> int:
     from k3jax.checkpoint import CheckpointError
     from k3jax.config import ConfigError
     from k3jax.convert import convert, plan_conversion
-    from k3jax.convert.report import format_plan, human_bytes
+    from k3jax.convert.report import device_bytes, format_device_bytes, format_plan, human_bytes
 
     if args.out_dir is None and not args.plan_only:
         print("error: OUT_DIR is required unless --plan-only is given", file=sys.stderr)
         return 2
+    if args.mesh is not None and not args.plan_only:
+        print("error: --mesh goes with --plan-only: a conversion is the same for every mesh (per-layer Orbax "
+              "items); pick the mesh when loading, k3jax.from_pretrained(OUT_DIR, mesh=...)", file=sys.stderr)
+        return 2
     try:
         if args.plan_only:
-            print(format_plan(plan_conversion(args.hf_dir, dtype=args.dtype, experts=args.experts).plan))
+            planned = plan_conversion(args.hf_dir, dtype=args.dtype, experts=args.experts)
+            report = None
+            if args.mesh is not None:
+                try:
+                    report = device_bytes(planned.abstract, args.mesh)
+                except ValueError as err:
+                    print(f"error: --mesh {args.mesh}: {err}", file=sys.stderr)
+                    return 2
+            print(format_plan(planned.plan))
+            if report is not None:
+                print(format_device_bytes(report))
             return 0
         result = convert(args.hf_dir, args.out_dir, dtype=args.dtype, experts=args.experts, resume=args.resume,
                          verify=args.verify, progress=not args.quiet)
@@ -71,6 +85,42 @@ def _run_convert(args: argparse.Namespace) -> int:
         print(f"converted {args.hf_dir} -> {result.out_dir}: {result.written} item(s) written, "
               f"{result.skipped} already done, {human_bytes(result.nbytes)} in {result.seconds:.1f} s"
               + (", verified" if args.verify else ""))
+    return 0
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    """Memory plan on fake CPU devices. The device count must be set before JAX starts its backend, so
+    this runs before anything touches jax.devices() (see k3jax/plan.py `ensure_cpu_devices`)."""
+    import json
+
+    from k3jax import plan
+    from k3jax.config import ConfigError, K3Config
+
+    try:
+        hbm = plan.parse_bytes(args.hbm)
+        devices = plan.mesh_devices(args.mesh)
+        cfg = K3Config.from_hf(args.config)
+    except (ValueError, ConfigError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.layers is not None and not 1 < args.layers < cfg.num_hidden_layers:
+        args.layers = None  # nothing to extrapolate: compile the configured depth
+    experts = args.experts or ("bf16" if args.train else "mxfp4")
+    try:
+        plan.ensure_cpu_devices(devices)
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        result = plan.plan_memory(cfg, args.mesh, hbm, batch=args.batch, max_len=args.max_len, seq_len=args.seq_len,
+                                  train=args.train, layers=args.layers, experts=experts,
+                                  device_gemm=not args.cpu_ragged_dot)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(plan.format_plan(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result.to_dict(), indent=1))
     return 0
 
 
@@ -94,15 +144,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     conv.add_argument("out_dir", type=Path, metavar="OUT_DIR", nargs="?", help="output directory")
     conv.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                       help="storage dtype of the bf16 tensors (fp32 tensors stay fp32)")
-    conv.add_argument("--experts", choices=("bf16",), default=None,
-                      help="store routed experts in bfloat16 whatever --dtype (exact for MXFP4 sources)")
+    conv.add_argument("--experts", choices=("mxfp4", "bf16"), default=None,
+                      help="routed experts: mxfp4 keeps the release's packed codes + scales (4.25 bits/weight, "
+                           "decoded on the fly by the model; the default for MXFP4 releases), bf16 decodes them "
+                           "to bfloat16 whatever --dtype (exact)")
+    conv.add_argument("--mesh", metavar="SPEC", default=None,
+                      help="with --plan-only: also report per-device parameter bytes on this mesh, "
+                           "e.g. expert=64,tensor=8 (needs no devices)")
     conv.add_argument("--resume", action="store_true", help="continue an interrupted conversion in OUT_DIR")
     conv.add_argument("--verify", action="store_true",
                       help="re-read every leaf and compare it with the source (and logits, when small)")
     conv.add_argument("--plan-only", action="store_true", help="print the plan (leaves, bytes, sources) and stop")
     conv.add_argument("--quiet", action="store_true", help="no progress bar or summary")
 
+    pl = commands.add_parser("plan", help="per-device memory of prefill/decode (and a train step) on a mesh: FITS?")
+    pl.add_argument("--config", type=Path, required=True, help="config.json (HF release or configs/kimi_k3.json)")
+    pl.add_argument("--mesh", metavar="SPEC", required=True, help="explicit sizes, e.g. expert=64,tensor=8")
+    pl.add_argument("--hbm", default="141GB", help="memory per device: 141GB (H200), 95GB (TPU v5p)")
+    pl.add_argument("--batch", type=int, default=1)
+    pl.add_argument("--max-len", type=int, default=131072, help="cache capacity in tokens")
+    pl.add_argument("--seq-len", type=int, default=4096,
+                    help="prefill chunk (tokens per prefill call) and train sequence length")
+    pl.add_argument("--train", action="store_true", help="also a train step (cross-entropy + adamw; bf16 experts)")
+    pl.add_argument("--experts", choices=("mxfp4", "bf16"), default=None,
+                    help="routed expert storage (default mxfp4, bf16 with --train)")
+    pl.add_argument("--layers", type=int, default=None,
+                    help="compile at this reduced depth and one scanned group more, extrapolate to full depth")
+    pl.add_argument("--cpu-ragged-dot", action="store_true",
+                    help="keep the CPU lowering of the MoE grouped GEMMs (a dense per-expert expansion no GPU/TPU "
+                         "has) instead of the device-like stand-in")
+    pl.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
+
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _run_plan(args)
     if args.command == "convert":
         return _run_convert(args)
     if args.command == "demo":

@@ -14,7 +14,8 @@ _DTYPES = ("bfloat16", "float32")
 
 
 def from_pretrained(
-    path: str | Path, *, dtype: str = "bfloat16", moe_implementation: str = "auto", mesh: str | Mesh | None = None
+    path: str | Path, *, dtype: str = "bfloat16", moe_implementation: str = "auto", mesh: str | Mesh | None = None,
+    experts: str | None = None,
 ) -> K3Model:
     """Load a Hugging Face K3 release directory (config.json, safetensors index and shards), or a
     directory written by `k3jax convert` (recognised by its manifest; it must be COMPLETE).
@@ -22,15 +23,21 @@ def from_pretrained(
     `dtype` is the storage and activation dtype of the bf16 tensors (fp32 tensors such as the KDA
     state parameters and the router bias stay fp32). `mesh` ("expert=4,tensor=2", a Mesh, or None for
     one device) places every parameter by `sharding.DEFAULT_RULES`; jitted calls then run partitioned.
+    A converted directory is restored straight into those shardings (no host copy of the model).
+
+    `experts`: "mxfp4" keeps the routed experts MXFP4-packed (uint8 codes + E8M0 scales, 4.25 bits per
+    weight, decoded on the fly before the expert GEMMs; same logits), "bf16" decodes them into the
+    model dtype at load time; None loads a converted directory as it was converted and decodes a
+    release's experts.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {_DTYPES}")
     root = Path(path)
     if is_converted(root):
-        return _place(load_converted(root, dtype=dtype, moe_implementation=moe_implementation), mesh)
+        return load_converted(root, dtype=dtype, experts=experts, moe_implementation=moe_implementation, mesh=mesh)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{root} has no config.json; expected a Hugging Face release directory")
-    return _place(load_hf_model(root, dtype=dtype, moe_implementation=moe_implementation), mesh)
+    return _place(load_hf_model(root, dtype=dtype, moe_implementation=moe_implementation, experts=experts), mesh)
 
 
 def _place(model: K3Model, mesh: str | Mesh | None) -> K3Model:

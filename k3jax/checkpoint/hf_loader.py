@@ -10,20 +10,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flax import nnx
-
 from k3jax.checkpoint.safetensors_index import CheckpointIndex
 from k3jax.config import K3Config
 from k3jax.convert.assemble import assemble_model
-from k3jax.convert.plan import build_plan
+from k3jax.convert.plan import abstract_model, build_plan
 from k3jax.convert.transform import materialize
 from k3jax.model import K3Model
 
 
-def load_hf_model(path: str | Path, *, dtype: str = "bfloat16", moe_implementation: str = "auto") -> K3Model:
-    """Build a K3Model from an HF release directory (config.json + safetensors index and shards)."""
+def load_hf_model(
+    path: str | Path, *, dtype: str = "bfloat16", moe_implementation: str = "auto", experts: str | None = None
+) -> K3Model:
+    """Build a K3Model from an HF release directory (config.json + safetensors index and shards).
+
+    Routed experts are decoded into the model dtype (`experts` None or "bf16"), or with "mxfp4" kept
+    as the release's packed codes and scales, which the model decodes on the fly."""
+    if experts not in (None, "mxfp4", "bf16"):
+        raise ValueError(f"experts={experts!r}: expected 'mxfp4', 'bf16' or None")
     cfg = K3Config.from_hf(path, dtype=dtype)
     index = CheckpointIndex.open(path)
-    abstract = nnx.eval_shape(lambda: K3Model.init(cfg, moe_implementation=moe_implementation))
+    abstract = abstract_model(cfg, packed_experts=experts == "mxfp4", moe_implementation=moe_implementation)
     plan = build_plan(index, abstract)
     return assemble_model(abstract, lambda item, target: materialize(plan.item(item).leaf(target), index))

@@ -61,11 +61,12 @@ def _load_json(path: Path, text: bytes | str, what: str):
     """Parse JSON, rejecting duplicate keys that json.loads would silently merge."""
 
     def no_duplicates(pairs):
-        keys = [k for k, _ in pairs]
-        dups = sorted({k for k in keys if keys.count(k) > 1})
-        if dups:
+        found = dict(pairs)
+        if len(found) != len(pairs):  # linear: a real shard header has thousands of entries
+            seen: set = set()
+            dups = sorted({k for k, _ in pairs if k in seen or seen.add(k)})
             raise _fail(path, f"{what} lists {dups[0]!r} more than once")
-        return dict(pairs)
+        return found
 
     try:
         return json.loads(text, object_pairs_hook=no_duplicates)
@@ -208,8 +209,9 @@ def _open_sharded(index_path: Path) -> dict[str, TensorInfo]:
         raise _fail(index_path,
                     "expected a JSON object with a 'weight_map' of tensor name -> shard file")
     found: dict[str, TensorInfo] = {}
-    for shard_name in sorted(set(weight_map.values())):
-        shard = index_path.parent / shard_name
+    shard_paths = {shard_name: index_path.parent / shard_name for shard_name in set(weight_map.values())}
+    for shard_name in sorted(shard_paths):
+        shard = shard_paths[shard_name]
         if not shard.is_file():
             example = next(k for k, v in weight_map.items() if v == shard_name)
             raise _fail(index_path, f"maps tensors (e.g. {example!r}) to {shard_name!r}, "
@@ -220,7 +222,7 @@ def _open_sharded(index_path: Path) -> dict[str, TensorInfo]:
             found[name] = info
     for name, shard_name in weight_map.items():
         info = found.get(name)
-        if info is None or info.shard_path != index_path.parent / shard_name:
+        if info is None or info.shard_path is not shard_paths[shard_name]:  # each shard's one Path object
             raise _fail(index_path.parent / shard_name, f"listed in {INDEX_FILE} for this shard, "
                         "but the shard's header has no such tensor", name)
     extra = sorted(found.keys() - weight_map.keys())

@@ -1,35 +1,40 @@
 """`convert`: a Hugging Face K3 release directory -> per-layer Orbax items (layout in `store`).
 
 The plan is built and checked from headers first, so a broken release fails before anything is
-written. Items are then made and written one at a time — peak host memory is about one item (the
-largest decoder layer or embedding table) plus Orbax's write staging — and each is committed to
-the manifest only once it is fully on disk, which is what makes `resume` safe after a kill.
+written. Items are then made and written one at a time, the next one read while the current one is
+written — peak host memory is about two items (the largest decoder layer or embedding table) — and
+each is committed to the manifest only once it is fully on disk, which is what makes `resume` safe after a kill.
 COMPLETE is written last, after the optional verification, so a failed or interrupted run never
 looks finished.
+
+Routed experts: `experts="mxfp4"` keeps the release's packed codes and scales (4.25 bits per
+weight; the model decodes them on the fly), `experts="bf16"` decodes them to bfloat16 at conversion,
+None picks "mxfp4" for a release whose experts are all MXFP4 and the model dtype otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from flax import nnx
 from tqdm import tqdm
 
 from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex
 from k3jax.config import K3Config
-from k3jax.convert.plan import ConversionPlan, build_plan
+from k3jax.convert.plan import ConversionPlan, abstract_model, build_plan, source_experts_are_mxfp4
 from k3jax.convert.store import (
     COMPLETE, FORMAT, MANIFEST, VERSION, ItemStore, leaf_record, mark_complete, read_manifest, write_manifest,
 )
-from k3jax.convert.transform import materialize
+from k3jax.convert.transform import materialize_item
 from k3jax.convert.verify import LOGITS_CHECK_MAX_BYTES, check_logits, find_bad_items
 from k3jax.model import K3Model
 
 DTYPES = ("bfloat16", "float32")
-EXPERT_DTYPES = {"bf16": "bfloat16"}
+EXPERT_FORMATS = ("mxfp4", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +61,15 @@ def plan_conversion(hf_dir: str | Path, *, dtype: str = "bfloat16", experts: str
     """Read config and shard headers and check the full leaf table against the abstract model."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {DTYPES}")
-    if experts is not None and experts not in EXPERT_DTYPES:
-        raise ValueError(f"experts={experts!r}: expected one of {sorted(EXPERT_DTYPES)} or None")
+    if experts is not None and experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts={experts!r}: expected one of {EXPERT_FORMATS} or None")
     hf_dir = Path(hf_dir)
     cfg = K3Config.from_hf(hf_dir, dtype=dtype)
     index = CheckpointIndex.open(hf_dir)
-    abstract = nnx.eval_shape(lambda: K3Model.init(cfg))
-    plan = build_plan(index, abstract, experts_dtype=EXPERT_DTYPES.get(experts))
+    if experts is None and source_experts_are_mxfp4(index):
+        experts = "mxfp4"
+    abstract = abstract_model(cfg, packed_experts=experts == "mxfp4")
+    plan = build_plan(index, abstract, experts_dtype="bfloat16" if experts == "bf16" else None)
     settings = {
         "dtype": dtype, "experts": experts, "plan_fingerprint": plan.fingerprint,
         "config_sha256": hashlib.sha256((hf_dir / "config.json").read_bytes()).hexdigest(),
@@ -83,21 +90,50 @@ def convert(
     store.remove_all_but(set(manifest["items"]))
     todo = [item for item in planned.plan.items if item.name not in manifest["items"]]
     done_bytes = planned.plan.nbytes - sum(item.nbytes for item in todo)
+
+    def prepare(item):
+        return materialize_item(item, planned.index)
+
+    # Three things overlap (file reads, sha256, numpy copies and TensorStore writes release the GIL):
+    # item i+1 is read and transformed while item i is checksummed and written by Orbax. Commit order,
+    # and so what a kill leaves behind, is unchanged; a bad tensor in item i+1 fails once item i is
+    # committed. Memory: two items in flight (one when the largest item is over a quarter of RAM).
     with tqdm(total=planned.plan.nbytes, initial=done_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-              desc="convert", disable=not progress, dynamic_ncols=True) as bar:
-        for item in todo:
+              desc="convert", disable=not progress, dynamic_ncols=True) as bar, \
+            ThreadPoolExecutor(1, thread_name_prefix="k3jax-convert-read") as reader, \
+            ThreadPoolExecutor(1, thread_name_prefix="k3jax-convert-sha256") as hasher:
+        read_ahead = _may_read_ahead(planned.plan)
+        upcoming = reader.submit(prepare, todo[0]) if todo else None
+        for i, item in enumerate(todo):
             bar.set_postfix_str(item.name)
-            leaves = {leaf.target: materialize(leaf, planned.index) for leaf in item.leaves}
+            leaves = upcoming.result()
+            if not read_ahead:
+                upcoming = None
+            elif i + 1 < len(todo):
+                upcoming = reader.submit(prepare, todo[i + 1])
+            records = hasher.submit(lambda: {name: leaf_record(array) for name, array in leaves.items()})
             store.save(item.name, leaves)
-            manifest["items"][item.name] = {name: leaf_record(array) for name, array in leaves.items()}
+            manifest["items"][item.name] = records.result()
             write_manifest(root, manifest)
             del leaves
             bar.update(item.nbytes)
+            if not read_ahead and i + 1 < len(todo):
+                upcoming = reader.submit(prepare, todo[i + 1])
     if verify:
         _verify(root, store, planned, manifest)
     mark_complete(root)
     return ConvertResult(root, len(todo), len(planned.plan.items) - len(todo), planned.plan.nbytes,
                          time.perf_counter() - start)
+
+
+def _may_read_ahead(plan: ConversionPlan) -> bool:
+    """Read the next item while writing one only if two of the largest items fit comfortably in RAM
+    (a full-size layer is 15.8 GiB with MXFP4 experts, ~59 GiB with bf16 ones)."""
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return 4 * max(item.nbytes for item in plan.items) <= physical
 
 
 def _open_output(root: Path, planned: PlannedConversion, resume: bool) -> dict:
@@ -137,4 +173,4 @@ def _verify(root: Path, store: ItemStore, planned: PlannedConversion, manifest: 
         raise CheckpointError(f"verification of {root} failed for {len(bad)} item(s), removed so that "
                               f"--resume rewrites them: {details}")
     if planned.plan.nbytes <= LOGITS_CHECK_MAX_BYTES:
-        check_logits(root, manifest, planned.abstract, planned.plan, planned.index)
+        check_logits(root, manifest, planned.abstract.config, planned.index)

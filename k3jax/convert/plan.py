@@ -14,6 +14,10 @@ are stacked from one tensor per expert (MXFP4 `weight_packed` + `weight_scale` d
 plain `.weight` otherwise — decided per tensor, never from the config's `ignore` list); `A_log` is
 stored zero-padded to head_dim and sliced to the heads; anything else is copied; every leaf is cast
 to its target dtype. Vision tower and projector tensors are skipped: this is the text model.
+
+With packed experts (`abstract_model(..., packed_experts=True)`, `--experts mxfp4`) the expert
+leaves are `experts.w1.packed` / `experts.w1.scale` (uint8), stacked from the release's
+`weight_packed` / `weight_scale` tensors byte for byte, with no decode.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 
 from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex, TensorInfo
 from k3jax.layer_plan import LayerPlan
+from k3jax.nn.moe import pack_routed_experts
 
 EMBED, HEAD = "embed", "head"
 EXPERTS_PREFIX = "block_sparse_moe.experts."
@@ -57,12 +62,14 @@ class LeafPlan:
 
     `parts` holds one tuple of tensor names per piece: a single piece for copy / A_log, one per
     expert (stacked on a new leading axis) for routed experts; an MXFP4 piece is (packed, scale).
+    The packed kinds stack one of the two (codes or scales) as stored; they keep the pair so that a
+    scale leaf can check that its blocks decode to finite values.
     """
 
     target: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    kind: str  # "copy" | "a_log" | "experts"
+    kind: str  # "copy" | "a_log" | "experts" | "mxfp4_packed" | "mxfp4_scale"
     parts: tuple[tuple[str, ...], ...]
     transform: str  # human-readable, e.g. "stack 16 experts, MXFP4 decode -> bfloat16"
     source_bytes: int
@@ -100,6 +107,29 @@ class ConversionPlan:
 
     def item(self, name: str) -> ItemPlan:
         return next(item for item in self.items if item.name == name)
+
+
+def abstract_model(cfg, *, packed_experts: bool = False, moe_implementation: str = "auto"):
+    """The abstract K3Model (`nnx.eval_shape`) that loaders fill: routed experts dense or MXFP4-packed."""
+    from flax import nnx  # noqa: PLC0415
+
+    from k3jax.model import K3Model  # noqa: PLC0415
+
+    def build():
+        model = K3Model.init(cfg, moe_implementation=moe_implementation)
+        return pack_routed_experts(model) if packed_experts else model
+
+    return nnx.eval_shape(build)
+
+
+def has_packed_experts(abstract) -> bool:
+    return any(path_names(p)[-1] == "packed" for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0])
+
+
+def source_experts_are_mxfp4(index: CheckpointIndex) -> bool:
+    """True when the release has routed experts and every one of them is an MXFP4 pair (headers only)."""
+    names = [n for n in index.names() if f".{EXPERTS_PREFIX}" in n]
+    return bool(names) and all(n.endswith(_MXFP4_SUFFIXES) for n in names)
 
 
 def path_names(key_path: tuple[Any, ...]) -> list[str | int]:
@@ -214,8 +244,30 @@ def _mxfp4(src: _Sources, base: str, shape: tuple[int, ...]) -> list[TensorInfo]
     return infos
 
 
+def _plan_packed_leaf(src: _Sources, slot: Slot, shape: tuple[int, ...]) -> LeafPlan:
+    """`experts.wN.packed` / `experts.wN.scale`: one release tensor per expert, stacked as stored."""
+    projection, _, which = slot.target.removeprefix(EXPERTS_PREFIX).partition(".")
+    columns = shape[-1] * (2 if which == "packed" else 32)
+    parts, nbytes = [], 0
+    for e in range(shape[0]):
+        base = f"model.layers.{slot.layer}.{EXPERTS_PREFIX}{e}.{projection}"
+        if not src.has(base + _MXFP4_SUFFIXES[0]) and src.has(base + ".weight"):
+            raise CheckpointError(
+                f"tensor {src.prefix}{base}.weight is not MXFP4-packed; packed experts (--experts mxfp4) need "
+                "weight_packed / weight_scale pairs (use --experts bf16)"
+            )
+        pair = _mxfp4(src, base, (shape[1], columns))
+        parts.append(tuple(i.name for i in pair))
+        nbytes += pair[0 if which == "packed" else 1].nbytes
+    what = "MXFP4 E2M1 codes" if which == "packed" else "MXFP4 E8M0 scales"
+    return LeafPlan(slot.target, shape, np.dtype(np.uint8), f"mxfp4_{which}", tuple(parts),
+                    f"stack {shape[0]} experts, {what} as stored (no decode)", nbytes)
+
+
 def _plan_leaf(src: _Sources, slot: Slot, abstract: jax.ShapeDtypeStruct, dtype: np.dtype) -> LeafPlan:
     name, shape = _source_name(slot), tuple(abstract.shape)
+    if slot.target.startswith(EXPERTS_PREFIX) and slot.target.endswith((".packed", ".scale")):
+        return _plan_packed_leaf(src, slot, shape)
     if slot.target.startswith(EXPERTS_PREFIX):
         projection = slot.target.removeprefix(EXPERTS_PREFIX)
         parts, infos = [], []
@@ -247,8 +299,9 @@ def _plan_leaf(src: _Sources, slot: Slot, abstract: jax.ShapeDtypeStruct, dtype:
 def build_plan(index: CheckpointIndex, abstract, *, experts_dtype: str | None = None) -> ConversionPlan:
     """Plan every leaf of `abstract` (an `nnx.eval_shape` K3Model) from `index`'s headers.
 
-    Leaves are stored in the abstract model's dtypes; `experts_dtype` overrides that for the routed
-    experts (bfloat16 holds every MXFP4 value exactly, at half the bytes of float32).
+    Leaves are stored in the abstract model's dtypes; `experts_dtype` overrides that for dense routed
+    experts (bfloat16 holds every MXFP4 value exactly, at half the bytes of float32). An abstract model
+    with packed experts (`abstract_model(..., packed_experts=True)`) plans them as uint8 codes and scales.
     """
     src = _Sources(index)
     items = []
@@ -256,7 +309,7 @@ def build_plan(index: CheckpointIndex, abstract, *, experts_dtype: str | None = 
         leaves = []
         for slot, leaf in slots.items():
             dtype = np.dtype(leaf.dtype)
-            if experts_dtype is not None and slot.target.startswith(EXPERTS_PREFIX):
+            if experts_dtype is not None and slot.target.startswith(EXPERTS_PREFIX) and dtype != np.uint8:
                 dtype = np.dtype(experts_dtype)
             leaves.append(_plan_leaf(src, slot, leaf, dtype))
         items.append(ItemPlan(item_name, tuple(leaves)))
@@ -271,12 +324,19 @@ def build_plan(index: CheckpointIndex, abstract, *, experts_dtype: str | None = 
 
 def _fingerprint(items: list[ItemPlan], index: CheckpointIndex) -> str:
     """Identifies a conversion: the leaf table plus where each source tensor sits in its shard."""
+    names: dict = {}  # dtype / shard path -> name, computed once (the release has ~500k tensors)
+
+    def name(x) -> str:
+        if x not in names:
+            names[x] = x.name
+        return names[x]
+
     table = []
     for item in items:
         for leaf in item.leaves:
             sources = [index.info(n) for part in leaf.parts for n in part]
             table.append([
                 item.name, leaf.target, list(leaf.shape), leaf.dtype.name, leaf.kind,
-                [[s.name, s.shard_path.name, s.dtype.name, list(s.shape), s.start, s.stop] for s in sources],
+                [[s.name, name(s.shard_path), name(s.dtype), list(s.shape), s.start, s.stop] for s in sources],
             ])
     return hashlib.sha256(json.dumps(table).encode()).hexdigest()

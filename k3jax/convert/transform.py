@@ -7,11 +7,12 @@ reported with the tensor at fault instead of surfacing as NaN logits later.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from k3jax.checkpoint.mxfp4 import decode_mxfp4
-from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex
-from k3jax.convert.plan import LeafPlan
+from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex, TensorInfo
+from k3jax.convert.plan import ItemPlan, LeafPlan
 
 
 def materialize(leaf: LeafPlan, index: CheckpointIndex) -> np.ndarray:
@@ -21,11 +22,23 @@ def materialize(leaf: LeafPlan, index: CheckpointIndex) -> np.ndarray:
         for e, part in enumerate(leaf.parts):
             out[e] = _finite(_cast(_read_piece(part, index), leaf.dtype), part)
         return out
+    if leaf.kind in ("mxfp4_packed", "mxfp4_scale"):
+        which = 0 if leaf.kind == "mxfp4_packed" else 1
+        out = np.empty(leaf.shape, np.uint8)
+        for e, part in enumerate(leaf.parts):
+            out[e] = index.read(part[which])
+            if which == 1 and out[e].max(initial=0) >= _SCALE_MAY_OVERFLOW:
+                _finite(_read_piece(part, index), part)  # NaN byte 255, or blocks decoding to inf
+        return out
     (name,) = leaf.parts[0]
     array = index.read(name)
     if leaf.kind == "a_log":
         array = _a_log(array, name, leaf.shape[0])
     return _finite(_cast(array, leaf.dtype), leaf.parts[0])
+
+
+# 6 (the largest E2M1 value) * 2^(253 - 127) = 1.5 * 2^128 overflows float32; lower scale bytes never do.
+_SCALE_MAY_OVERFLOW = 253
 
 
 def _read_piece(part: tuple[str, ...], index: CheckpointIndex) -> np.ndarray:
@@ -61,3 +74,113 @@ def _finite(array: np.ndarray, part: tuple[str, ...]) -> np.ndarray:
             f"(as {array.dtype.name}; first at index {first})"
         )
     return array
+
+
+# ---- a whole item at once, reading its source bytes in file order --------------------------------
+
+READ_RUN_BYTES = 64 << 20  # one read covers adjacent tensors up to this size (a larger tensor: one read)
+_READ_GAP_BYTES = 1 << 20  # tensors this close together are read in one go, gap included
+
+
+def materialize_item(item: ItemPlan, index: CheckpointIndex) -> dict[str, np.ndarray]:
+    """`{leaf.target: materialize(leaf, index)}` for every leaf of `item`, bit for bit, but reading the
+    item's source tensors in (shard, offset) order with large coalesced reads instead of one small read
+    per tensor in plan order. Releases sort tensors by dtype and name (`experts.10` before
+    `experts.2`), so per-tensor reads of a layer's experts seek all over the shard; this reads each
+    shard region once, sequentially. Holds one run (<= READ_RUN_BYTES) beyond the item's outputs."""
+    consumers: dict[str, list] = {}  # tensor name -> [(leaf, expert index or None, which of the pair)]
+    for leaf in item.leaves:
+        for e, part in enumerate(leaf.parts):
+            for which, name in enumerate(part):
+                if leaf.kind == "mxfp4_packed" and which != 0 or leaf.kind == "mxfp4_scale" and which != 1:
+                    continue
+                expert = None if leaf.kind in ("copy", "a_log") else e
+                consumers.setdefault(name, []).append((leaf, expert, which))
+    out = {leaf.target: np.empty(leaf.shape, leaf.dtype) for leaf in item.leaves
+           if leaf.kind in ("experts", "mxfp4_packed", "mxfp4_scale")}
+    pending: dict[tuple[str, int], dict[int, np.ndarray]] = {}  # (leaf, expert) -> halves of an MXFP4 pair
+    check_scales: list[tuple[LeafPlan, int]] = []
+
+    def consume(name: str, array: np.ndarray) -> None:
+        for leaf, e, which in consumers[name]:
+            part = leaf.parts[e] if e is not None else leaf.parts[0]
+            if leaf.kind in ("mxfp4_packed", "mxfp4_scale"):
+                out[leaf.target][e] = array
+                if leaf.kind == "mxfp4_scale" and array.max(initial=0) >= _SCALE_MAY_OVERFLOW:
+                    check_scales.append((leaf, e))
+            elif leaf.kind == "experts" and len(part) == 2:
+                halves = pending.setdefault((leaf.target, e), {})
+                halves[which] = array.copy()
+                if len(halves) == 2:
+                    del pending[(leaf.target, e)]
+                    out[leaf.target][e] = _decode_pair(part, halves[0], halves[1], leaf.dtype)
+            elif leaf.kind == "experts":
+                out[leaf.target][e] = _finite(_cast(array, leaf.dtype), part)
+            else:
+                value = array.copy()
+                if leaf.kind == "a_log":
+                    value = _a_log(value, name, leaf.shape[0])
+                out[leaf.target] = _finite(_cast(value, leaf.dtype), part)
+
+    infos = sorted((index.info(name) for name in consumers), key=lambda i: (str(i.shard_path), i.start))
+    run: list[TensorInfo] = []
+    for info in infos:
+        if run and (info.shard_path != run[0].shard_path or info.start - run[-1].stop > _READ_GAP_BYTES
+                    or info.stop - run[0].start > READ_RUN_BYTES):
+            _read_run(run, consume)
+            run = []
+        run.append(info)
+    if run:
+        _read_run(run, consume)
+    for leaf, e in check_scales:  # NaN byte or blocks that overflow: the same error as a decode would give
+        _finite(_read_piece(leaf.parts[e], index), leaf.parts[e])
+    return {leaf.target: out[leaf.target] for leaf in item.leaves}
+
+
+# Table decode, equal to `decode_mxfp4` bit for bit (tested) and ~5x faster: one gather gives both
+# E2M1 values of a byte, one gives the E8M0 factor (ml_dtypes' own decodings of all 256 bytes).
+_PAIR_LUT = np.stack([np.arange(256, dtype=np.uint8) & 0x0F, np.arange(256, dtype=np.uint8) >> 4], axis=-1) \
+    .astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+_SCALE_LUT = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+
+
+def _decode_pair(part: tuple[str, ...], packed: np.ndarray, scale: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """One MXFP4 pair decoded to `dtype`, checked finite. MXFP4 values have at most two significant
+    bits, so their float32 bit patterns end in 16 zero bits and bfloat16 is the top half, exactly."""
+    if packed.shape[:-1] != scale.shape[:-1] or 2 * packed.shape[-1] != 32 * scale.shape[-1] or (scale == 255).any():
+        return _finite(_cast(_read_piece_arrays(part, packed, scale), dtype), part)  # the reference's error
+    with np.errstate(over="ignore"):
+        values = (_PAIR_LUT[packed].reshape(*scale.shape, 32) * _SCALE_LUT[scale][..., None]).reshape(
+            *packed.shape[:-1], 2 * packed.shape[-1])
+    _finite(values, part)
+    if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16):
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
+    return _cast(values, dtype)
+
+
+def _read_piece_arrays(part: tuple[str, ...], packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    try:
+        with np.errstate(over="ignore"):
+            return decode_mxfp4(packed, scale)
+    except ValueError as err:
+        raise CheckpointError(f"tensors {part[0]} / {part[1]}: {err}") from None
+
+
+def _read_run(run: list[TensorInfo], consume) -> None:
+    """One read of [run[0].start, run[-1].stop) of a shard; hands each tensor of the run to `consume`."""
+    start, stop = run[0].start, max(i.stop for i in run)
+    buf = np.empty(stop - start, np.uint8)
+    with run[0].shard_path.open("rb", buffering=0) as f:
+        f.seek(start)
+        got, view = 0, memoryview(buf)
+        while got < len(buf):
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    for info in run:
+        if info.stop - start > got:
+            have = max(0, got - (info.start - start))
+            raise CheckpointError(f"{info.shard_path}: tensor {info.name!r}: read {have} of {info.nbytes} bytes at "
+                                  f"offset {info.start} (file shrank since the header was read?)")
+        consume(info.name, buf[info.start - start:info.stop - start].view(info.dtype).reshape(info.shape))

@@ -5,6 +5,11 @@ scores + e_score_correction_bias (the Quantile-Balancing bias, selection only); 
 unbiased scores of the chosen experts, renormalised and scaled. Routed path: down-project to the
 latent width, run the chosen SiTU-GLU experts, weighted sum in fp32, RMSNorm, up-project. Shared
 experts see the full-width input (k3-architecture.md §4).
+
+Routed experts are either dense (`RoutedExperts`) or kept MXFP4-packed as the release stores them
+(`PackedRoutedExperts`, 4.25 bits per weight in HBM, decoded right before the expert GEMMs);
+`pack_routed_experts` turns a model's experts into the packed form (used on abstract models by the
+loaders, which then fill in the release's codes and scales).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from flax import nnx
 from k3jax.config import K3Config
 from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm, constant_init, declare, normal_init
 from k3jax.nn.situ import SiTUMLP
-from pallas_kernels.moe import routed_experts
+from pallas_kernels.moe import MXFP4Experts, routed_experts
 
 
 def route_topk(
@@ -48,6 +53,61 @@ class RoutedExperts(nnx.Module):
         self.w2 = declare(
             rngs, (num_experts, latent, inter), dtype, ("exp", "embed_moe", "mlp_moe"), normal_init(1 / inter**0.5)
         )
+
+
+MXFP4_BLOCK = 32
+
+
+class MXFP4Weight(nnx.Module):
+    """One stacked expert weight [..., E, out, in] kept packed: `packed` uint8 [..., E, out, in/2] (two E2M1
+    codes per byte) and `scale` uint8 [..., E, out, in/32] (E8M0). Both carry the dense weight's logical
+    axes, so expert / tensor sharding splits them like the dense weight. `w[...]` gives the
+    `MXFP4Experts` pair that `routed_experts` decodes."""
+
+    def __init__(self, packed: jax.Array, scale: jax.Array, axes: tuple[str | None, ...]) -> None:
+        if packed.dtype != jnp.uint8 or scale.dtype != jnp.uint8 or packed.shape[:-1] != scale.shape[:-1] \
+                or 2 * packed.shape[-1] != MXFP4_BLOCK * scale.shape[-1]:
+            raise ValueError(f"MXFP4 packed {packed.dtype}{tuple(packed.shape)} and scale "
+                             f"{scale.dtype}{tuple(scale.shape)} are not a packed/scale pair")
+        self.packed = nnx.Param(packed, logical_axes=axes)
+        self.scale = nnx.Param(scale, logical_axes=axes)
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> "MXFP4Weight":
+        """Placeholder codes/scales for a dense weight of `shape` [..., in] (in a multiple of 32)."""
+        *rows, cols = shape
+        if cols % MXFP4_BLOCK:
+            raise ValueError(f"MXFP4 needs the input width to be a multiple of {MXFP4_BLOCK}, got shape {shape}")
+        return cls(jnp.zeros((*rows, cols // 2), jnp.uint8), jnp.zeros((*rows, cols // MXFP4_BLOCK), jnp.uint8), axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+
+    def __getitem__(self, index) -> MXFP4Experts:
+        if index is not Ellipsis:
+            raise IndexError("an MXFP4Weight is only read whole: w[...]")
+        return MXFP4Experts(self.packed[...], self.scale[...])
+
+
+class PackedRoutedExperts(nnx.Module):
+    """`RoutedExperts` with w1, w2, w3 as `MXFP4Weight`s (same shapes once decoded, same logical axes)."""
+
+    def __init__(self, dense: RoutedExperts) -> None:
+        for name in ("w1", "w2", "w3"):
+            var = getattr(dense, name)
+            setattr(self, name, MXFP4Weight.zeros(tuple(var.shape), var.get_metadata()["logical_axes"]))
+
+
+def pack_routed_experts(model: nnx.Module) -> nnx.Module:
+    """Give every LatentMoE in `model` packed routed experts (zero codes and scales, to be filled by a loader).
+
+    Meant for `nnx.eval_shape(lambda: pack_routed_experts(K3Model.init(cfg)))`; stacked scan groups keep
+    their leading layer axis. Returns `model`, modified in place."""
+    for _, module in list(nnx.iter_modules(model)):
+        if isinstance(module, LatentMoE) and isinstance(module.experts, RoutedExperts):
+            module.experts = PackedRoutedExperts(module.experts)
+    return model
 
 
 class LatentMoE(nnx.Module):

@@ -7,13 +7,16 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe.reference import experts_all_dense, experts_ragged_dot
+from pallas_kernels.moe.reference import MXFP4Experts, decode_experts, experts_all_dense, experts_ragged_dot
 
 Implementation = Literal["auto", "xla", "dense", "pallas"]
 
 
+Weights = jax.Array | MXFP4Experts
+
+
 def routed_experts(
-    x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, weights: jax.Array, ids: jax.Array,
+    x: jax.Array, w1: Weights, w2: Weights, w3: Weights, weights: jax.Array, ids: jax.Array,
     *, beta: float, linear_beta: float | None, implementation: Implementation = "auto",
 ) -> jax.Array:
     """sum_j weights[n, j] * E_{ids[n, j]}(x[n]) in fp32 for SiTU-GLU experts [E, out, in].
@@ -23,7 +26,15 @@ def routed_experts(
     must stay exact). "xla" runs the dropless sorted `lax.ragged_dot` path; "dense" runs every expert on every
     token (the oracle); "pallas" runs the Pallas grouped GEMMs (gate+up+SiTU fused, then down; see
     pallas_grouped_gemm.py): compiled through Pallas-Triton on GPU, interpret mode elsewhere (tests only).
+
+    Weights may be `MXFP4Experts` (uint8 E2M1 codes + E8M0 scales, kept packed in HBM at 4.25 bits per
+    weight). Every implementation then decodes the whole layer's experts to x's dtype right before its
+    GEMMs (`decode_experts`), so the packed and the decoded model give identical results; the transient
+    decoded copy is one layer's experts, not the model's. Decoding inside the Pallas grouped GEMM (load
+    codes and scales per tile, dequantise in registers, so only the chosen experts' packed bytes are ever
+    read) is the follow-up that removes that transient and the 16-bit re-read.
     """
+    w1, w2, w3 = (decode_experts(w, x.dtype) for w in (w1, w2, w3))
     if implementation == "auto":
         implementation = "pallas" if jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16 else "xla"
     if implementation == "xla":

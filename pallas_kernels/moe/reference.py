@@ -6,10 +6,41 @@ E_e(x) = w2_e @ SiTU(w1_e @ x, w3_e @ x). Expert weights keep the release layout
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
+
+
+class MXFP4Experts(NamedTuple):
+    """Routed-expert weights kept MXFP4-packed, as the release stores them (4.25 bits per weight).
+
+    packed: uint8 [..., E, out, in/2], two E2M1 codes per byte (even input column in the low nibble);
+    scale: uint8 [..., E, out, in/32], raw E8M0 bytes (2^(byte - 127)) per block of 32 inputs.
+    """
+
+    packed: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The decoded shape [..., E, out, in]."""
+        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+
+    def decode(self, dtype) -> jax.Array:
+        """E2M1(code) * 2^(scale - 127) in float32, cast to `dtype` (exact for bf16 and fp32: E2M1 has one
+        mantissa bit). Under jit this is an elementwise op XLA fuses into the producer of the GEMM operand."""
+        # here, not at the top: pallas_kernels must not import k3jax at import time (k3jax imports it)
+        from k3jax.checkpoint.mxfp4 import decode_mxfp4_jax  # noqa: PLC0415
+
+        return decode_mxfp4_jax(self.packed, self.scale, dtype)
+
+
+def decode_experts(w: "jax.Array | MXFP4Experts", dtype) -> jax.Array:
+    """Expert weights as a dense [E, out, in] array of `dtype`; dense arrays pass through unchanged."""
+    return w.decode(dtype) if isinstance(w, MXFP4Experts) else w
 
 # x [M, in] against w [E, out, in] with rows of x grouped by expert: contract x's dim 1 with w's dim 2.
 _RAGGED_DIMS = jax.lax.RaggedDotDimensionNumbers(

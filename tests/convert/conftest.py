@@ -100,3 +100,13 @@ def write_variant(root: Path, golden_dir: Path, tensors: dict[str, np.ndarray]) 
 def golden_tensors(golden_dir) -> dict[str, np.ndarray]:
     index = CheckpointIndex.open(golden_dir)
     return {name: index.read(name) for name in index.names()}
+
+
+@pytest.fixture(scope="session")
+def converted_fp32(tmp_path_factory, golden_dir):
+    """The golden release converted in float32 with --verify (experts kept MXFP4-packed, the default)."""
+    from k3jax.convert import convert
+
+    out = tmp_path_factory.mktemp("conv") / "fp32"
+    convert(golden_dir, out, dtype="float32", verify=True, progress=False)
+    return out

@@ -51,8 +51,8 @@ def test_plan_matches_the_abstract_model_per_layer(golden_dir):
 
 
 def test_plan_only_prints_bytes_per_leaf_and_totals(golden_dir, capsys, tmp_path):
-    plan = plan_conversion(golden_dir).plan
-    assert main(["convert", str(golden_dir), "--plan-only"]) == 0
+    plan = plan_conversion(golden_dir, experts="bf16").plan
+    assert main(["convert", str(golden_dir), "--plan-only", "--experts", "bf16"]) == 0
     out = capsys.readouterr().out
     assert "block_sparse_moe.experts.w1" in out
     assert "stack 16 experts, MXFP4 decode -> bfloat16" in out
@@ -90,3 +90,53 @@ def test_bad_release_fails_in_planning_before_any_write(tmp_path, golden_dir, go
     assert err.startswith("error: ")
     assert re.search(message, err), err
     assert not (tmp_path / "out").exists()
+
+
+def test_mxfp4_release_plans_packed_experts_by_default(golden_dir, capsys):
+    plan = plan_conversion(golden_dir).plan
+    assert plan_conversion(golden_dir, experts="mxfp4").plan.fingerprint == plan.fingerprint
+    codes = plan.item("layer_005").leaf("block_sparse_moe.experts.w2.packed")
+    scales = plan.item("layer_005").leaf("block_sparse_moe.experts.w2.scale")
+    assert (codes.kind, codes.shape, codes.dtype, scales.shape) == ("mxfp4_packed", (16, 64, 32), np.uint8, (16, 64, 2))
+    assert codes.parts[3][0].endswith("layers.5.block_sparse_moe.experts.3.w2.weight_packed")
+    # 4.25 bits per weight: the written experts are the source's bytes, nothing decoded
+    experts = [leaf for item in plan.items for leaf in item.leaves if leaf.kind.startswith("mxfp4")]
+    weights = sum(leaf.shape[0] * leaf.shape[1] * leaf.shape[2] * 2 for leaf in experts if leaf.kind == "mxfp4_packed")
+    assert sum(leaf.nbytes for leaf in experts) * 8 / weights == 4.25
+    assert sum(leaf.nbytes for leaf in experts) == sum(leaf.source_bytes for leaf in experts)
+    assert main(["convert", str(golden_dir), "--plan-only"]) == 0
+    out = capsys.readouterr().out
+    assert "stack 16 experts, MXFP4 E8M0 scales as stored (no decode)" in out
+    assert "layers.1.block_sparse_moe.experts.{0..15}.w1.weight_scale" in out
+
+
+def test_packed_experts_need_an_mxfp4_release(tmp_path, golden_dir, golden_tensors):
+    from k3jax.checkpoint import CheckpointError, decode_mxfp4
+
+    tensors = dict(golden_tensors)
+    base = "language_model.model.layers.2.block_sparse_moe.experts.7.w3"
+    packed, scale = tensors.pop(f"{base}.weight_packed"), tensors.pop(f"{base}.weight_scale")
+    tensors[f"{base}.weight"] = decode_mxfp4(packed, scale).astype(golden_tensors[Q_NAME].dtype)
+    source = write_variant(tmp_path / "hf", golden_dir, tensors)
+    assert plan_conversion(source).settings["experts"] is None  # auto: not every expert is MXFP4 -> decoded
+    with pytest.raises(CheckpointError, match=f"tensor {base}.weight is not MXFP4-packed.*--experts bf16"):
+        plan_conversion(source, experts="mxfp4")
+
+
+Q_NAME = "language_model.model.layers.2.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize(("dtype", "experts"), [("bfloat16", "mxfp4"), ("bfloat16", "bf16"), ("float32", None)])
+def test_item_reads_in_file_order_equal_the_per_leaf_reference(golden_dir, dtype, experts, monkeypatch):
+    """The converter's coalesced, file-ordered reads and table MXFP4 decode == `materialize`, bit for bit."""
+    from k3jax.convert import transform
+
+    planned = plan_conversion(golden_dir, dtype=dtype, experts=experts)
+    monkeypatch.setattr(transform, "READ_RUN_BYTES", 40_000)  # several runs per shard, tensors split across
+    for item in planned.plan.items:
+        got = transform.materialize_item(item, planned.index)
+        assert list(got) == [leaf.target for leaf in item.leaves]
+        for leaf in item.leaves:
+            want = transform.materialize(leaf, planned.index)
+            assert got[leaf.target].dtype == want.dtype and got[leaf.target].shape == want.shape
+            np.testing.assert_array_equal(got[leaf.target].view(np.uint8), want.view(np.uint8))

@@ -23,13 +23,6 @@ from k3jax.convert.store import COMPLETE, MANIFEST, ItemStore
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 512, (1, 8)), jnp.int32)
 
 
-@pytest.fixture(scope="module")
-def converted_fp32(tmp_path_factory, golden_dir):
-    out = tmp_path_factory.mktemp("conv") / "fp32"
-    convert(golden_dir, out, dtype="float32", verify=True, progress=False)
-    return out
-
-
 def assert_same_leaves(a, b) -> None:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb)
@@ -48,13 +41,17 @@ def test_items_are_per_layer_orbax_checkpoints(converted_fp32):
     manifest = json.loads((converted_fp32 / MANIFEST).read_text())
     assert list(manifest["items"]) == ["embed", *(f"layer_{i:03d}" for i in range(13)), "head"]
     leaves = ItemStore(converted_fp32).restore("layer_004")
-    assert leaves["block_sparse_moe.experts.w1"].shape == (16, 64, 64)  # one layer, not a stacked group
+    assert leaves["block_sparse_moe.experts.w1.packed"].shape == (16, 64, 32)  # one layer, not a stacked group
+    assert leaves["block_sparse_moe.experts.w1.scale"].shape == (16, 64, 2)
     assert manifest["items"]["layer_004"]["self_attn.A_log"]["shape"] == [4]
 
 
 def test_bfloat16_conversion_loads_as_the_direct_bfloat16_model(tmp_path, golden_dir, golden_model_bf16):
     convert(golden_dir, tmp_path / "bf16", progress=False)
-    assert_same_leaves(k3jax.from_pretrained(tmp_path / "bf16", dtype="bfloat16"), golden_model_bf16)
+    # packed experts decoded at load time: the same leaves as the release loaded directly
+    assert_same_leaves(k3jax.from_pretrained(tmp_path / "bf16", dtype="bfloat16", experts="bf16"), golden_model_bf16)
+    packed = k3jax.from_pretrained(golden_dir, dtype="bfloat16", experts="mxfp4")
+    assert_same_leaves(k3jax.from_pretrained(tmp_path / "bf16", dtype="bfloat16"), packed)
 
 
 def test_bf16_experts_in_a_float32_conversion_are_exact(tmp_path, golden_dir, golden_model_fp32):
