@@ -7,9 +7,11 @@
 
 from sharding.mesh import MESH_AXES, make_mesh
 from sharding.rules import DEFAULT_RULES, logical_to_spec
-from sharding.shard_model import cache_shardings, param_shardings, shard_batch, shard_cache, shard_model
+from sharding.shard_model import (
+    cache_shardings, enable_expert_parallelism, param_shardings, shard_batch, shard_cache, shard_model,
+)
 
 __all__ = [
-    "DEFAULT_RULES", "MESH_AXES", "cache_shardings", "logical_to_spec", "make_mesh", "param_shardings",
+    "DEFAULT_RULES", "MESH_AXES", "cache_shardings", "enable_expert_parallelism", "logical_to_spec", "make_mesh", "param_shardings",
     "shard_batch", "shard_cache", "shard_model",
 ]

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from k3jax.model import K3Model, ModelCache
 from k3jax.nn.kda import KDACache
 from k3jax.nn.mla import MLACache
+from k3jax.nn.moe import LatentMoE
 from sharding.rules import DEFAULT_RULES, Rules, logical_to_spec
 
 # Logical axes of the cache arrays (the model's parameters declare theirs in the model code). They
@@ -66,8 +67,23 @@ def param_shardings(model: K3Model, mesh: Mesh, rules: Rules = DEFAULT_RULES) ->
 
 
 def shard_model(model: K3Model, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> K3Model:
-    """The model with every parameter placed on `mesh` by `rules` (a new tree; `model` is unchanged)."""
-    return jax.device_put(model, param_shardings(model, mesh, rules))
+    """The model with every parameter placed on `mesh` by `rules` (a new tree; `model` is unchanged).
+
+    When `exp` lands on a mesh axis of size > 1, the MoE layers are told the mesh, so their routed
+    experts run expert-parallel under shard_map rather than as a GSPMD-partitioned ragged_dot."""
+    sharded = jax.device_put(model, param_shardings(model, mesh, rules))
+    enable_expert_parallelism(sharded, mesh, rules)
+    return sharded
+
+
+def enable_expert_parallelism(model: K3Model, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> None:
+    """Give every LatentMoE the mesh if experts are split over it (in place; static attributes)."""
+    expert_axis = rules.get("exp")
+    if expert_axis is None or not isinstance(expert_axis, str) or mesh.shape.get(expert_axis, 1) == 1:
+        return
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, LatentMoE):
+            module.expert_mesh = mesh
 
 
 def cache_shardings(cache: ModelCache, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> ModelCache:
@@ -86,6 +102,7 @@ def cache_shardings(cache: ModelCache, mesh: Mesh, rules: Rules = DEFAULT_RULES)
         groups=tuple(layer(c, True) for c in cache.groups),
         tail=tuple(layer(c, False) for c in cache.tail),
         length=NamedSharding(mesh, PartitionSpec()),
+        start=None if cache.start is None else named_sharding(("activation_batch",), cache.start.shape, mesh, rules),
     )
 
 

@@ -126,7 +126,11 @@ def load_items(
     def stack(pieces, leaf, key_path):
         return _stack_into(leaf_sharding[jax.tree_util.keystr(key_path)])(*pieces)
 
-    return assemble_model(abstract, fill, stack)
+    from sharding import enable_expert_parallelism  # noqa: PLC0415 (sharding imports the model)
+
+    model = assemble_model(abstract, fill, stack)
+    enable_expert_parallelism(model, mesh)
+    return model
 
 
 def _decode_item(arrays: dict, item: str, slots: dict, dtype: str, sharding_of) -> None:

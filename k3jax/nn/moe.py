@@ -21,7 +21,9 @@ from flax import nnx
 from k3jax.config import K3Config
 from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm, constant_init, declare, normal_init
 from k3jax.nn.situ import SiTUMLP
-from pallas_kernels.moe import MXFP4Experts, routed_experts
+from jax.sharding import Mesh
+
+from pallas_kernels.moe import MXFP4Experts, decode_experts, routed_experts
 
 
 def route_topk(
@@ -128,6 +130,9 @@ class LatentMoE(nnx.Module):
         self.top_k, self.renormalize, self.scaling = cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor
         self.beta, self.linear_beta = cfg.situ_beta, cfg.situ_linear_beta
         self.implementation = implementation
+        # Set by `sharding.shard_model` when the mesh splits experts: routed experts then run
+        # expert-parallel under shard_map (sharding/expert_parallel.py) instead of through GSPMD.
+        self.expert_mesh: Mesh | None = None
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [B, T, D] (post-attention-normalised) -> (output [B, T, D], chosen expert ids [B, T, k])."""
@@ -136,10 +141,17 @@ class LatentMoE(nnx.Module):
             flat, self.gate.weight[...], self.gate.e_score_correction_bias[...], self.top_k, self.renormalize, self.scaling
         )
         latent_in = self.routed_expert_down_proj(flat)
-        mixed = routed_experts(
-            latent_in, self.experts.w1[...], self.experts.w2[...], self.experts.w3[...], weights, ids,
-            beta=self.beta, linear_beta=self.linear_beta, implementation=self.implementation,
-        ).astype(x.dtype)
+        w1, w2, w3 = self.experts.w1[...], self.experts.w2[...], self.experts.w3[...]
+        if self.expert_mesh is None:
+            mixed = routed_experts(latent_in, w1, w2, w3, weights, ids, beta=self.beta, linear_beta=self.linear_beta,
+                                   implementation=self.implementation)
+        else:
+            from sharding.expert_parallel import ep_routed_experts  # noqa: PLC0415 (sharding imports this module)
+
+            w1, w2, w3 = (decode_experts(w, latent_in.dtype) for w in (w1, w2, w3))
+            mixed = ep_routed_experts(latent_in, w1, w2, w3, weights, ids, mesh=self.expert_mesh, beta=self.beta,
+                                      linear_beta=self.linear_beta)
+        mixed = mixed.astype(x.dtype)
         if self.routed_expert_norm is not None:
             mixed = self.routed_expert_norm(mixed)
         out = self.routed_expert_up_proj(mixed)

@@ -180,3 +180,11 @@ def test_from_pretrained_with_a_mesh(golden_model_fp32):
     assert [leaf.sharding for leaf in jax.tree.leaves(model)] == expected
     for leaf, want in zip(jax.tree.leaves(model), jax.tree.leaves(golden_model_fp32)):
         np.testing.assert_array_equal(np.asarray(leaf), np.asarray(want))
+
+
+def test_expert_meshes_run_moe_expert_parallel(golden_model_fp32):
+    """shard_model hands the mesh to every MoE layer when experts are split (shard_map dispatch)."""
+    sharded = shard_model(golden_model_fp32, make_mesh("expert=8"))
+    assert sharded.layer(1).block_sparse_moe.expert_mesh is not None
+    assert shard_model(golden_model_fp32, make_mesh("tensor=8")).layer(1).block_sparse_moe.expert_mesh is None
+    assert golden_model_fp32.layer(1).block_sparse_moe.expert_mesh is None  # the input model is unchanged
