@@ -10,9 +10,6 @@ from typing import Sequence
 
 import numpy as np
 
-GOLDEN_TINY = Path(__file__).resolve().parents[1] / "tests" / "golden" / "k3-tiny-a"
-
-
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
@@ -20,15 +17,36 @@ def _parse_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--ids expects comma-separated integers, got {text!r}") from None
 
 
-def _run_generation(model_dir: Path, ids: list[int], max_new_tokens: int, temperature: float, dtype: str, seed: int) -> int:
+def _use_fake_cpu_devices(count: int = 8) -> None:
+    """Without accelerators, give the CPU `count` devices so meshes work (before JAX starts its backend),
+    and one OpenBLAS thread, since all of them call it at once."""
+    import os
+
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     import jax
-    import jax.numpy as jnp
+
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def _run_generation(args: argparse.Namespace) -> int:
+    """Stream the continuation of a prompt (text through the checkpoint's tokenizer, or --ids)."""
+    import jax
 
     import k3jax
+    from k3jax.tokenizer import load_tokenizer
 
-    if dtype == "float32":
+    if args.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")
-    model = k3jax.from_pretrained(model_dir, dtype=dtype)
+    from k3jax.checkpoint import CheckpointError
+    from k3jax.config import ConfigError
+
+    try:
+        tokenizer = load_tokenizer(args.model)
+        model = k3jax.from_pretrained(args.model, dtype=args.dtype, mesh=args.mesh)
+    except (CheckpointError, ConfigError, OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    ids = args.ids if args.ids is not None else tokenizer.encode(args.prompt)
     if not ids:
         print("error: the prompt has no tokens", file=sys.stderr)
         return 2
@@ -36,15 +54,34 @@ def _run_generation(model_dir: Path, ids: list[int], max_new_tokens: int, temper
     if bad:
         print(f"error: token ids {bad} are outside the vocabulary [0, {model.config.vocab_size})", file=sys.stderr)
         return 2
-    prompt = jnp.asarray([ids], jnp.int32)
-    k3jax.generate(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed).block_until_ready()
+
+    new_tokens: list[int] = []
+    shown = ""
+    arrivals: list[float] = []
+
+    def on_token(tokens: np.ndarray) -> None:
+        nonlocal shown
+        arrivals.append(time.perf_counter())
+        new_tokens.append(int(tokens[0]))
+        text = tokenizer.decode(new_tokens)
+        print(text[len(shown):], end="", flush=True)
+        shown = text
+
+    print(args.prompt if args.ids is None else f"{ids} ->", end=" " if args.ids is not None else "", flush=True)
     start = time.perf_counter()
-    new = np.asarray(k3jax.generate(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed))
-    elapsed = time.perf_counter() - start
-    print(f"model:  {model_dir} ({model.config.num_hidden_layers} layers, hidden {model.config.hidden_size}, {dtype})")
-    print(f"prompt: {ids}")
-    print(f"output: {new[0].tolist()}")
-    print(f"{max_new_tokens / elapsed:.1f} tokens/s (compiled, batch 1, {jax.devices()[0].platform})")
+    stop = [model.config.eos_token_id] if model.config.eos_token_id is not None else []
+    k3jax.generate(model, np.asarray([ids], np.int32), max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                   stop_tokens=stop, on_token=on_token)
+    print()
+    if args.ids is not None:
+        print(f"ids: {new_tokens}")
+    # Tokens/s from the second new token on: the first waits for the prefill, the second for the
+    # decode step's compilation.
+    steady = (len(arrivals) - 2) / (arrivals[-1] - arrivals[1]) if len(arrivals) > 2 else float("nan")
+    print(f"[{len(new_tokens)} tokens: first after {arrivals[0] - start:.2f} s (prefill and compile), "
+          f"then {steady:.1f} tokens/s; {jax.device_count()} {jax.devices()[0].platform} device(s), "
+          f"mesh {args.mesh or 'none'}]", file=sys.stderr)
     return 0
 
 
@@ -128,14 +165,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="k3jax", description="Kimi K3 in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="greedy continuation of the embedded tiny K3 checkpoint")
-    demo.add_argument("--max-new-tokens", type=int, default=12)
+    demo = commands.add_parser(
+        "demo", help="write a tiny K3 in the release format, convert it, restore it sharded, generate")
+    demo.add_argument("--prompt", default="Kimi K3 in JAX: ")
+    demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo.add_argument("--mesh", metavar="SPEC", default=None, help="default: data=2,expert=2,tensor=2 on 8 devices")
 
-    gen = commands.add_parser("generate", help="continue a prompt of token ids")
-    gen.add_argument("--model", type=Path, required=True, help="Hugging Face release directory")
-    gen.add_argument("--ids", type=_parse_ids, required=True, help="prompt token ids, e.g. 1,2,3")
-    gen.add_argument("--max-new-tokens", type=int, default=16)
+    gen = commands.add_parser("generate", help="stream the continuation of a prompt")
+    gen.add_argument("--model", type=Path, required=True, help="HF release or `k3jax convert` directory")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text (the checkpoint's tokenizer; bytes if it has none)")
+    source.add_argument("--ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
+    gen.add_argument("--mesh", metavar="SPEC", default=None, help="e.g. expert=8,tensor=8 (default: one device)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
 
@@ -181,6 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "convert":
         return _run_convert(args)
     if args.command == "demo":
-        prompt = np.load(GOLDEN_TINY / "reference" / "generate_fp32.npz")["prompt_ids"][0].tolist()
-        return _run_generation(GOLDEN_TINY, prompt, args.max_new_tokens, 0.0, "float32", 0)
-    return _run_generation(args.model, args.ids, args.max_new_tokens, args.temperature, args.dtype, args.seed)
+        _use_fake_cpu_devices()
+        from k3jax.demo import run_demo
+
+        return run_demo(prompt=args.prompt, max_new_tokens=args.max_new_tokens, mesh=args.mesh)
+    if args.mesh is not None:
+        _use_fake_cpu_devices()
+    return _run_generation(args)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 DEMO_MESH = "data=2,expert=2,tensor=2"
-GOLDEN_CONFIG = Path(__file__).resolve().parents[1] / "tests" / "golden" / "k3-tiny-a" / "config.json"
+GOLDEN_TINY = Path(__file__).resolve().parents[1] / "tests" / "golden" / "k3-tiny-a"  # shipped with the repo
 
 
 def run_demo(*, prompt: str = "Kimi K3 in JAX: ", max_new_tokens: int = 24, mesh: str | None = None,
@@ -34,7 +34,7 @@ def run_demo(*, prompt: str = "Kimi K3 in JAX: ", max_new_tokens: int = 24, mesh
 
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         start = time.perf_counter()
-        release = write_release(Path(tmp) / "release", json.loads(GOLDEN_CONFIG.read_text()), seed=0, std=0.5)
+        release = write_release(Path(tmp) / "release", json.loads((GOLDEN_TINY / "config.json").read_text()), seed=0, std=0.5)
         print(f"1. wrote a tiny K3 in the release format: {release} ({time.perf_counter() - start:.1f} s)")
 
         start = time.perf_counter()
