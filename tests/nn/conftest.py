@@ -21,6 +21,12 @@ from k3jax.nn.decoder import DecoderLayer
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "k3-tiny-a"
 
 
+@pytest.fixture(scope="session")
+def cfg() -> K3Config:
+    """The golden tiny config in float32."""
+    return K3Config.from_hf(GOLDEN, dtype="float32")
+
+
 def flat_params(module) -> dict[tuple, np.ndarray]:
     state = nnx.state(module, nnx.Param)
     return {path: np.asarray(value) for path, value in jax.tree_util.tree_flatten_with_path(state)[0]}

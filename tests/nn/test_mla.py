@@ -7,7 +7,6 @@ causal softmax; o * sigmoid(g_proj x); o_proj.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import jax
 
@@ -21,18 +20,11 @@ from flax import nnx  # noqa: E402
 from k3jax.config import K3Config  # noqa: E402
 from k3jax.nn.mla import GatedMLA, MLACache  # noqa: E402
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "k3-tiny-a"
-
 # fp32 vs float64: a chain of five GEMMs over <= 128-term sums (HIGHEST precision on every
 # contraction), two RMSNorms, a softmax over <= 9 keys and a sigmoid. Each stage contributes
 # ~1e-7..1e-6 relative error; 1e-5 of max|ref| is a ~10x margin and far below the effect of any
 # structural mistake (eps, scale, a missing gate or norm all change the output by >= 1e-3).
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def cfg() -> K3Config:
-    return K3Config.from_hf(GOLDEN, dtype="float32")
 
 
 @pytest.fixture(scope="module")
