@@ -15,6 +15,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kda.pallas_decode import gpu_supported as _decode_gpu_supported
+from pallas_kernels.kda.pallas_decode import pallas_kda_decode
 from pallas_kernels.kda.pallas_kda import LOWER_BOUND_MIN, pallas_chunk_kda
 from pallas_kernels.kda.reference import chunked_kda, host_offsets, recurrent_kda_step
 
@@ -151,11 +153,20 @@ def kda_decode(
     state: jax.Array,
     *,
     scale: float | None = None,
+    implementation: Implementation = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """One recurrent decode step: q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state fp32.
 
     Returns ``(o [B, H, V] in v.dtype, new_state fp32 [B, H, K, V])``.
+    ``implementation="pallas"`` runs the state-streaming Pallas kernel (``pallas_decode.py``;
+    Triton on GPU, interpret mode on CPU); ``"auto"`` picks it only on GPU with K and V powers of
+    two >= 16, and the XLA reference ``recurrent_kda_step`` everywhere else. The state is not
+    donated here: inside a jit that donates the state XLA updates it in place.
     """
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation: expected one of {_IMPLEMENTATIONS}, got {implementation!r}"
+        )
     _expect_rank("q", q, 3, "[B, H, K]")
     B, H, K = q.shape
     _expect_shape("k", k, (B, H, K), "[B, H, K] like q")
@@ -165,4 +176,15 @@ def kda_decode(
     _expect_shape("g", g, (B, H, K), "[B, H, K] like q")
     _expect_shape("beta", beta, (B, H), "[B, H]")
     _expect_state("state", state, (B, H, K, V), "[B, H, K, V]")
+    backend = jax.default_backend()
+    if implementation == "pallas":
+        if backend not in ("gpu", "cpu"):
+            raise NotImplementedError(
+                f"implementation='pallas': the Pallas KDA decode kernel uses the Triton lowering "
+                f"(GPU; interpret mode on CPU), none exists for {backend!r} yet; use 'xla' or "
+                "'auto'."
+            )
+        return pallas_kda_decode(q, k, v, g, beta, state, scale=scale)
+    if implementation == "auto" and backend == "gpu" and _decode_gpu_supported(K, V):
+        return pallas_kda_decode(q, k, v, g, beta, state, scale=scale)
     return recurrent_kda_step(q, k, v, g, beta, state, scale=scale)
