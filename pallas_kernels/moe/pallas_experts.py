@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.pallas_grouped_gemm import (
-    DOWN_DEFAULT, TileConfig, gate_up_config, grouped_gate_up_situ, grouped_matmul,
+    DOWN_DEFAULT, TileConfig, gate_up_config,
 )
+from pallas_kernels.moe.pallas_vjp import expert_mlp
 from pallas_kernels.moe.reference import sort_by_expert
 
 F32 = jnp.float32
@@ -47,8 +48,18 @@ def experts_pallas(
     x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, weights: jax.Array, ids: jax.Array,
     *, beta: float, linear_beta: float | None, interpret: bool | None = None,
     gate_up_cfg: TileConfig | None = None, down_cfg: TileConfig = DOWN_DEFAULT,
+    bwd_cfg: TileConfig = DOWN_DEFAULT,
 ) -> jax.Array:
-    """sum_j weights[n, j] * w2_e SiTU(w1_e x_n, w3_e x_n) in fp32. x [N, in]; w1, w3 [E, F, in]; w2 [E, out, F]."""
+    """sum_j weights[n, j] * w2_e SiTU(w1_e x_n, w3_e x_n) in fp32. x [N, in]; w1, w3 [E, F, in]; w2 [E, out, F].
+
+    Differentiable in x, w1, w2, w3 and weights: the expert MLP on the sorted rows is a `jax.custom_vjp`
+    (pallas_vjp.expert_mlp: recompute gate/up, Pallas grouped GEMMs for dh and dx, and the Pallas
+    row-contracting grouped GEMM `grouped_matmul_tn` for the per-expert weight gradients); gather,
+    padding, routing weights and scatter-add are plain JAX. bwd_cfg: tiles of the backward's grouped GEMMs.
+    On an H200 (2026-11-29, one ad-hoc run): bf16 gradients within 3-5e-3 of an fp32 oracle (XLA's bf16 path:
+    the same), fwd+bwd 12.5 ms vs 1210 ms for XLA autodiff of experts_ragged_dot at 2048 tokens x top-8,
+    28 experts, 3584 -> 3072.
+    """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     num_tokens = ids.shape[0]
@@ -60,11 +71,9 @@ def experts_pallas(
     rows = _pad_to(x[token_of], 1)
     w1, w3 = (_pad_to(_pad_to(w, 2), 1) for w in (w1, w3))
     w2 = _pad_to(_pad_to(w2, 2), 1)
-    d_in, hidden = rows.shape[1], w1.shape[1]
     gate_up_cfg = gate_up_cfg or gate_up_config(rows.shape[0], num_experts)
-    h = grouped_gate_up_situ(rows, w1, w3, group_sizes, beta=float(beta),
-                             linear_beta=None if linear_beta is None else float(linear_beta),
-                             cfg=fit_config(gate_up_cfg, d_in, hidden), interpret=interpret)
-    outs = grouped_matmul(h, w2, group_sizes, cfg=fit_config(down_cfg, hidden, w2.shape[1]), interpret=interpret)
+    outs = expert_mlp(rows, w1, w2, w3, group_sizes, float(beta),
+                      None if linear_beta is None else float(linear_beta), bool(interpret), gate_up_cfg,
+                      down_cfg, bwd_cfg)
     outs = outs[:, :d_out].astype(F32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((num_tokens, outs.shape[-1]), F32).at[token_of].add(outs)

@@ -1,0 +1,127 @@
+"""Backward of the routed-expert MLP on rows sorted by expert: a `jax.custom_vjp` over the Pallas kernels.
+
+Forward (per expert e, on its rows x_e):  g = x W1_e^T,  u = x W3_e^T,  h = SiTU(g, u),  y = h W2_e^T,
+with SiTU(g, u) = b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2) in fp32 (fused gate+up kernel, then down GEMM).
+
+Backward (analytic), nothing but the inputs is kept from the forward (g, u are recomputed, which costs two
+grouped GEMMs but avoids keeping two [M, F] fp32 tensors alive between forward and backward):
+
+  g, u      = x W1^T, x W3^T                          Pallas grouped_matmul (x2, fp32 out)
+  h, dS/dg, dS/du                                      elementwise fp32 (XLA fuses it)
+  dh        = dy W2_e                                  Pallas grouped_matmul on W2 transposed [E, F, out]
+  dg, du    = dh * dS/dg, dh * dS/du                   elementwise fp32
+  dx        = [dg du] [W1_e; W3_e]                     Pallas grouped_matmul, one GEMM with K = 2F
+  dW2_e     = dy_e^T h_e                               Pallas grouped_matmul_tn (contraction over rows)
+  [dW1; dW3]_e = [dg du]_e^T x_e                       Pallas grouped_matmul_tn, one GEMM for both
+
+The three weight gradients contract over each expert's rows (a "transposed" grouped GEMM whose output is
+one [P, Q] block per expert): `grouped_matmul_tn`, one program per (expert, output tile) looping over the
+expert's row tiles; it equals `lax.ragged_dot_general` with a ragged contracting dimension
+(`_ragged_rows_outer`, kept as its test oracle). It is tested in interpret mode and lowers to Triton IR,
+but has not been run or tuned on a GPU (tile choice is `bwd_cfg`'s, untuned; expert load imbalance is not
+split across programs). The weight transposes W2 -> [E, F, out] and [W1; W3] -> [E, in, 2F] are XLA copies
+of one layer's experts (a transposed-weight load in the kernel would remove them).
+
+SiTU derivative (fp32): with t1 = tanh(g/b1), s = sigmoid(g), gate = b1 t1 s,
+  d gate / dg = (1 - t1^2) s + b1 t1 s (1 - s) = (1 - t1^2) s + gate (1 - s);
+  up = b2 tanh(u/b2), d up / du = 1 - tanh^2(u/b2)   (up = u, derivative 1, when linear_beta is None);
+  dS/dg = gate' * up,  dS/du = gate * up'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe.pallas_grouped_gemm import (
+    TileConfig, grouped_gate_up_situ, grouped_matmul, grouped_matmul_tn,
+)
+
+F32 = jnp.float32
+
+# x [M, in] (ragged rows) contracted with y [M, out] over the rows of each group -> [E, in, out].
+_RAGGED_CONTRACT_ROWS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
+
+
+def situ_and_grads(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None):
+    """(SiTU(g, u), dSiTU/dg, dSiTU/du), all fp32, written out explicitly (not through autodiff)."""
+    g, u = g.astype(F32), u.astype(F32)
+    t1 = jnp.tanh(g * (1.0 / beta))
+    s = 1.0 / (1.0 + jnp.exp(-g))  # as the kernel epilogue: accurate in relative terms for any g
+    gate = beta * t1 * s
+    dgate = (1.0 - t1 * t1) * s + gate * (1.0 - s)
+    if linear_beta is None:
+        up, dup = u, jnp.ones_like(u)
+    else:
+        t2 = jnp.tanh(u * (1.0 / linear_beta))
+        up, dup = linear_beta * t2, 1.0 - t2 * t2
+    return gate * up, dgate * up, gate * dup
+
+
+def _ragged_rows_outer(a: jax.Array, b: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Per group e: a_e^T b_e, a [M, P], b [M, Q] -> [E, P, Q] fp32 (rows past sum(group_sizes) ignored)."""
+    return jax.lax.ragged_dot_general(a, b, group_sizes, _RAGGED_CONTRACT_ROWS, preferred_element_type=F32)
+
+
+def _fit(cfg: TileConfig, k: int, n: int) -> TileConfig:
+    from pallas_kernels.moe.pallas_experts import fit_config  # noqa: PLC0415 (avoid an import cycle)
+
+    return fit_config(cfg, k, n)
+
+
+def _fit_tn(cfg: TileConfig, p: int, q: int) -> TileConfig:
+    """Tiles for grouped_matmul_tn (block_m: P tile, block_n: Q tile, block_k: row tile) dividing P and Q."""
+    fitted = _fit(dataclasses.replace(cfg, block_k=cfg.block_m), p, q)  # fit_config shrinks block_k / block_n
+    return dataclasses.replace(fitted, block_m=fitted.block_k, block_k=cfg.block_k)
+
+
+def _forward(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate_up_cfg, down_cfg):
+    hidden, d_in, d_out = w1.shape[1], rows.shape[1], w2.shape[1]
+    h = grouped_gate_up_situ(rows, w1, w3, group_sizes, beta=beta, linear_beta=linear_beta,
+                             cfg=_fit(gate_up_cfg, d_in, hidden), interpret=interpret)
+    return grouped_matmul(h, w2, group_sizes, cfg=_fit(down_cfg, hidden, d_out), interpret=interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def expert_mlp(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate_up_cfg, down_cfg, bwd_cfg):
+    """SiTU-GLU expert MLP on rows sorted by expert: [M, in] -> [M, out] in rows.dtype, with a custom VJP.
+
+    rows [M, in]; w1, w3 [E, F, in]; w2 [E, out, F]; in, F, out multiples of 16. group_sizes [E] int32 (no
+    gradient). bwd_cfg: tiles of the backward's grouped GEMMs (shrunk per GEMM to divide its widths).
+    """
+    return _forward(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate_up_cfg, down_cfg)
+
+
+def _expert_mlp_fwd(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate_up_cfg, down_cfg,
+                    bwd_cfg):
+    out = _forward(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate_up_cfg, down_cfg)
+    return out, (rows, w1, w2, w3, group_sizes)
+
+
+def _expert_mlp_bwd(beta, linear_beta, interpret, gate_up_cfg, down_cfg, bwd_cfg, res, dy):
+    rows, w1, w2, w3, group_sizes = res
+    hidden, d_in, d_out = w1.shape[1], rows.shape[1], w2.shape[1]
+    gemm = functools.partial(grouped_matmul, group_sizes=group_sizes, out_dtype=F32, interpret=interpret)
+    # recompute gate and up (fp32 accumulators, as the fused kernel's epilogue sees them)
+    g = gemm(rows, w1, cfg=_fit(bwd_cfg, d_in, hidden))
+    u = gemm(rows, w3, cfg=_fit(bwd_cfg, d_in, hidden))
+    h, dsdg, dsdu = situ_and_grads(g, u, beta, linear_beta)
+    h = h.astype(rows.dtype)  # the forward's rounding of the hidden state (the down GEMM's operand)
+    dy = dy.astype(rows.dtype)
+    dh = gemm(dy, jnp.swapaxes(w2, 1, 2), cfg=_fit(bwd_cfg, d_out, hidden))  # [M, F] fp32
+    dgu = jnp.concatenate([dh * dsdg, dh * dsdu], axis=1).astype(rows.dtype)  # [M, 2F]
+    w13_t = jnp.swapaxes(jnp.concatenate([w1, w3], axis=1), 1, 2)  # [E, in, 2F]
+    dx = gemm(dgu, w13_t, cfg=_fit(bwd_cfg, 2 * hidden, d_in))
+    tn = functools.partial(grouped_matmul_tn, group_sizes=group_sizes, out_dtype=F32, interpret=interpret)
+    dw2 = tn(dy, h, cfg=_fit_tn(bwd_cfg, d_out, hidden))  # [E, out, F]
+    dw13 = tn(dgu, rows, cfg=_fit_tn(bwd_cfg, 2 * hidden, d_in))  # [E, 2F, in]
+    dw1, dw3 = dw13[:, :hidden], dw13[:, hidden:]
+    return (dx.astype(rows.dtype), dw1.astype(w1.dtype), dw2.astype(w2.dtype), dw3.astype(w3.dtype), None)
+
+
+expert_mlp.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)
