@@ -9,6 +9,7 @@ when those hold (verified on an H200, 2026-11-29) and the XLA reference everywhe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Literal
 
@@ -52,7 +53,31 @@ def _pallas_op(
     cu_seqlens: object | None,
 ) -> tuple[jax.Array, jax.Array]:
     del cu_seqlens  # rejected in _select
+    if initial_state is None:
+        initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+    return _pallas_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _pallas_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale):
+    """The Pallas forward, differentiable: its backward is the VJP of the exact chunked reference
+    (recomputed from the inputs), so training through the kernel path works before the analytic
+    Pallas backward exists. Gradients for q, k, v, g, beta and the initial state."""
     return pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+
+
+def _pallas_kda_fwd(q, k, v, g, beta, initial_state, scale):
+    out = pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    return out, (q, k, v, g, beta, initial_state)
+
+
+def _pallas_kda_bwd(scale, inputs, cotangents):
+    reference = lambda q, k, v, g, beta, s0: chunked_kda(q, k, v, g, beta, scale=scale, initial_state=s0)  # noqa: E731
+    _, vjp = jax.vjp(reference, *inputs)
+    return vjp(cotangents)
+
+
+_pallas_kda_with_reference_vjp.defvjp(_pallas_kda_fwd, _pallas_kda_bwd)
 
 
 def _safe_gate(lower_bound: float | None) -> bool:
