@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from pallas_kernels.kda.pallas_decode import gpu_supported as _decode_gpu_supported
 from pallas_kernels.kda.pallas_decode import pallas_kda_decode
 from pallas_kernels.kda.pallas_kda import LOWER_BOUND_MIN, pallas_chunk_kda
+from pallas_kernels.kda.pallas_mosaic_tpu import tpu_kda_decode
 from pallas_kernels.kda.reference import chunked_kda, host_offsets, recurrent_kda_step
 
 Implementation = Literal["auto", "xla", "pallas"]
@@ -184,7 +185,8 @@ def kda_decode(
 
     Returns ``(o [B, H, V] in v.dtype, new_state fp32 [B, H, K, V])``.
     ``implementation="pallas"`` runs the state-streaming Pallas kernel (``pallas_decode.py``;
-    Triton on GPU, interpret mode on CPU); ``"auto"`` picks it only on GPU with K and V powers of
+    Triton on GPU, interpret mode on CPU; ``pallas_mosaic_tpu.py`` on TPU, which has so far run only
+    in TPU interpret mode, so "auto" does not pick it); ``"auto"`` picks it only on GPU with K and V powers of
     two >= 16, and the XLA reference ``recurrent_kda_step`` everywhere else. The state is not
     donated here: inside a jit that donates the state XLA updates it in place.
     """
@@ -203,11 +205,11 @@ def kda_decode(
     _expect_state("state", state, (B, H, K, V), "[B, H, K, V]")
     backend = jax.default_backend()
     if implementation == "pallas":
+        if backend == "tpu":  # Mosaic TPU kernel; tested in TPU interpret mode, not yet on hardware
+            return tpu_kda_decode(q, k, v, g, beta, state, scale=scale)
         if backend not in ("gpu", "cpu"):
             raise NotImplementedError(
-                f"implementation='pallas': the Pallas KDA decode kernel uses the Triton lowering "
-                f"(GPU; interpret mode on CPU), none exists for {backend!r} yet; use 'xla' or "
-                "'auto'."
+                f"implementation='pallas': no Pallas KDA decode kernel for {backend!r}; use 'xla' or 'auto'."
             )
         return pallas_kda_decode(q, k, v, g, beta, state, scale=scale)
     if implementation == "auto" and backend == "gpu" and _decode_gpu_supported(K, V):

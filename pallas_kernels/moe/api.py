@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
@@ -41,6 +42,13 @@ def routed_experts(
         return experts_ragged_dot(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
     if implementation == "dense":
         return experts_all_dense(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
+    if implementation == "pallas" and jax.default_backend() == "tpu":
+        # Mosaic-TPU fused gate+up+SiTU (tested in TPU interpret mode, not yet on hardware, so "auto"
+        # does not pick it); the down projection stays a lax.ragged_dot.
+        from pallas_kernels.moe.pallas_mosaic_tpu import tpu_grouped_gate_up_situ  # noqa: PLC0415
+
+        gate_up = functools.partial(tpu_grouped_gate_up_situ, beta=beta, linear_beta=linear_beta)
+        return experts_ragged_dot(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta, gate_up=gate_up)
     if implementation == "pallas":
         # imported here so that the default paths never import Pallas
         from pallas_kernels.moe.pallas_experts import experts_pallas  # noqa: PLC0415

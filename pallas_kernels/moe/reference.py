@@ -6,6 +6,7 @@ E_e(x) = w2_e @ SiTU(w1_e @ x, w3_e @ x). Expert weights keep the release layout
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -82,9 +83,12 @@ def experts_all_dense(
 
 def experts_ragged_dot(
     x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, weights: jax.Array, ids: jax.Array,
-    *, beta: float, linear_beta: float | None,
+    *, beta: float, linear_beta: float | None, gate_up: Callable[..., jax.Array] | None = None,
 ) -> jax.Array:
-    """Dropless: sort the N*k (token, expert) pairs by expert and run grouped GEMMs with lax.ragged_dot."""
+    """Dropless: sort the N*k (token, expert) pairs by expert and run grouped GEMMs with lax.ragged_dot.
+
+    `gate_up(rows, w1, w3, group_sizes)` may replace the gate/up GEMMs + SiTU with a fused kernel
+    (the Mosaic-TPU one); the down projection and the combine stay as here."""
     order, token_of, group_sizes = sort_by_expert(ids, w1.shape[0])
     rows = x[token_of]  # [N*k, in], grouped by expert
 
@@ -92,6 +96,9 @@ def experts_ragged_dot(
         out = jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DIMS, preferred_element_type=F32)
         return out.astype(x.dtype)
 
-    hidden = situ(grouped(rows, w1), grouped(rows, w3), beta, linear_beta)
+    if gate_up is None:
+        hidden = situ(grouped(rows, w1), grouped(rows, w3), beta, linear_beta)
+    else:
+        hidden = gate_up(rows, w1, w3, group_sizes).astype(x.dtype)
     outs = grouped(hidden, w2).astype(F32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((ids.shape[0], outs.shape[-1]), F32).at[token_of].add(outs)
