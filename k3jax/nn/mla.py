@@ -19,6 +19,19 @@ from k3jax.config import MLA_LOW_RANK_NORM_EPS, K3Config
 from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm
 
 
+QUERY_CHUNK = 1024  # prefill query rows attended at once (bounds the [heads, rows, keys] fp32 scores)
+
+
+def _attention_mask(query_pos: jax.Array, key_pos: jax.Array, start: jax.Array | None) -> jax.Array:
+    """Causal mask [T, S] (also hides unwritten cache rows); with left padding (`start` [B], first real
+    position per row) [B, 1, T, S], pads hidden except from themselves so no softmax row is empty."""
+    mask = key_pos[None, :] <= query_pos[:, None]
+    if start is None:
+        return mask
+    real = (key_pos[None, None, :] >= start[:, None, None]) | (key_pos[None, :] == query_pos[:, None])
+    return (mask & real)[:, None]
+
+
 class MLACache(NamedTuple):
     latent: jax.Array  # [B, S, kv_lora_rank + qk_rope_head_dim], activation dtype
 
@@ -46,6 +59,7 @@ class GatedMLA(nnx.Module):
         self.num_heads, self.kv_lora_rank = h, cfg.kv_lora_rank
         self.nope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
         self.scale = cfg.qk_head_dim**-0.5
+        self.query_chunk = QUERY_CHUNK
 
     def __call__(
         self, x: jax.Array, cache: MLACache | None = None, position: jax.Array | int = 0,
@@ -67,29 +81,42 @@ class GatedMLA(nnx.Module):
         else:
             latents = jax.lax.dynamic_update_slice_in_dim(cache.latent, latent.astype(cache.latent.dtype), position, 1)
             key_pos = jnp.arange(latents.shape[1])
-        mask = key_pos[None, :] <= query_pos[:, None]  # [T, S] causal (also hides unwritten cache rows)
-        if start is not None:
-            real = (key_pos[None, None, :] >= start[:, None, None]) | (key_pos[None, :] == query_pos[:, None])
-            mask = (mask & real)[:, None]  # [B, 1, T, S]
-
         if cache is not None and seq == 1:
-            o = self._attend_absorbed(q, latents, mask)
+            o = self._attend_absorbed(q, latents, _attention_mask(query_pos, key_pos, start))
         else:
-            o = self._attend_expanded(q, latents, mask)
+            o = self._attend_expanded(q, latents, query_pos, key_pos, start)
         o = o.reshape(batch, seq, self.num_heads * self.v_dim)
         o = o * jax.nn.sigmoid(self.g_proj(x))
         return self.o_proj(o), (MLACache(latents) if cache is not None else None)
 
-    def _attend_expanded(self, q: jax.Array, latents: jax.Array, mask: jax.Array) -> jax.Array:
-        """Per-head keys/values re-expanded from the latents with kv_b_proj (prefill)."""
+    def _attend_expanded(
+        self, q: jax.Array, latents: jax.Array, query_pos: jax.Array, key_pos: jax.Array, start: jax.Array | None
+    ) -> jax.Array:
+        """Per-head keys/values re-expanded from the latents with kv_b_proj (prefill).
+
+        Queries go in chunks of `query_chunk` rows, so the fp32 scores and the mask are [chunk, S]
+        rather than [T, S] (a 128K prompt would otherwise need [heads, T, T] scores). Each row's
+        softmax still sees all its keys, so chunking does not change the result."""
         batch, keys, _ = latents.shape
         kv = self.kv_b_proj(latents[..., : self.kv_lora_rank].astype(q.dtype)).reshape(batch, keys, self.num_heads, -1)
         k_nope, v = kv[..., : self.nope_dim], kv[..., self.nope_dim :]
         k_pe = jnp.broadcast_to(latents[:, :, None, self.kv_lora_rank :].astype(q.dtype), (*k_nope.shape[:3], q.shape[-1] - self.nope_dim))
         k = jnp.concatenate([k_nope, k_pe], axis=-1)
-        scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=F32) * self.scale
-        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(q.dtype)
-        return jnp.einsum("bhts,bshd->bthd", probs, v, preferred_element_type=F32).astype(q.dtype)
+
+        def attend(q_rows: jax.Array, rows_pos: jax.Array) -> jax.Array:
+            scores = jnp.einsum("bthd,bshd->bhts", q_rows, k, preferred_element_type=F32) * self.scale
+            mask = _attention_mask(rows_pos, key_pos, start)
+            probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(q.dtype)
+            return jnp.einsum("bhts,bshd->bthd", probs, v, preferred_element_type=F32).astype(q.dtype)
+
+        seq, chunk = q.shape[1], self.query_chunk
+        if seq <= chunk:
+            return attend(q, query_pos)
+        pad = -seq % chunk
+        q_chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(batch, -1, chunk, *q.shape[2:])
+        pos_chunks = jnp.pad(query_pos, (0, pad), mode="edge").reshape(-1, chunk)
+        out = jax.lax.map(lambda args: attend(*args), (jnp.moveaxis(q_chunks, 1, 0), pos_chunks))
+        return jnp.moveaxis(out, 0, 1).reshape(batch, seq + pad, *out.shape[3:])[:, :seq]
 
     def _attend_absorbed(self, q: jax.Array, latents: jax.Array, mask: jax.Array) -> jax.Array:
         """Attention in latent space: scores q_nope W_UK . c + q_pe . k_pe; output (p . c) W_UV^T. fp32."""

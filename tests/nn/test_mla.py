@@ -149,3 +149,22 @@ def test_cache_holds_normalised_latent_and_raw_k_pe(mla: GatedMLA, cfg: K3Config
     expected = np.concatenate([np_rms(ckv[..., :r], p64(mla.kv_a_layernorm.weight), 1e-6), ckv[..., r:]], -1)
     assert rel(latent[:, :4], expected) <= TOL
     np.testing.assert_array_equal(latent[:, 4:], 0.0)
+
+
+@pytest.mark.parametrize("chunk", [4, 7])
+def test_query_chunked_prefill_matches_numpy(cfg: K3Config, chunk: int) -> None:
+    """Long prompts attend in query chunks (T = 19 is not a multiple of either chunk); each row's
+    softmax still sees all its keys, so the result is the unchunked one (same fp32 operations per row)."""
+    m = GatedMLA(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    x = inputs(cfg, 19, seed=5)
+    unchunked, _ = m(jnp.asarray(x))
+    m.query_chunk = chunk
+    chunked, _ = m(jnp.asarray(x))
+    assert rel(chunked, unchunked) <= 1e-6
+    assert rel(chunked, np_gated_mla(m, cfg, x)) <= TOL
+    start = jnp.asarray([3, 0], jnp.int32)  # left padding: the mask is built per chunk too
+    m.query_chunk = 1024
+    padded_unchunked, _ = m(jnp.asarray(x), None, 0, start)
+    m.query_chunk = chunk
+    padded_chunked, _ = m(jnp.asarray(x), None, 0, start)
+    assert rel(padded_chunked, padded_unchunked) <= 1e-6
