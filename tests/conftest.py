@@ -29,6 +29,16 @@ def rel_rms(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.sqrt(np.mean((actual - expected) ** 2)) / np.sqrt(np.mean(expected**2)))
 
 
+def write_variant(root: Path, golden_dir: Path, tensors: dict[str, np.ndarray]) -> Path:
+    """The golden config with `tensors` as a single-file checkpoint (an edited copy of the release)."""
+    from safetensors.numpy import save_file
+
+    root.mkdir(parents=True)
+    (root / "config.json").write_bytes((golden_dir / "config.json").read_bytes())
+    save_file(tensors, str(root / "model.safetensors"))
+    return root
+
+
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
     return GOLDEN_DIR

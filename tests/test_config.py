@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from k3jax import ConfigError, K3Config, K3Model
+from tests.conftest import GOLDEN_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -18,10 +19,7 @@ BARE_TEXT_CONFIGS = ["k3_tiny", "k3_mini", "k3_narrow_93"]
 
 
 def golden_dir() -> Path:
-    for candidate in (REPO / "tests/golden/k3-tiny-a", REPO.parent / "shared/golden/k3-tiny-a"):
-        if candidate.is_dir():
-            return candidate
-    pytest.skip("golden checkpoint k3-tiny-a not found")
+    return GOLDEN_DIR
 
 
 @pytest.fixture

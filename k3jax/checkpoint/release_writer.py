@@ -21,7 +21,8 @@ from k3jax.convert.plan import EXPERTS_PREFIX, abstract_items
 from k3jax.model import K3Model
 
 
-def _release_name(slot) -> str:
+def release_name(slot) -> str:
+    """The release tensor name of a plan slot (a model leaf of one layer, or of the embed/head items)."""
     if slot.layer is not None:
         return f"language_model.model.layers.{slot.layer}.{slot.target}"
     return "language_model." + (slot.target if slot.target.startswith("lm_head.") else f"model.{slot.target}")
@@ -39,7 +40,7 @@ def write_release(root: Path, config: dict, *, seed: int = 0, num_shards: int = 
     for n, slots in enumerate(abstract_items(abstract).values()):
         tensors = shards[n % num_shards]
         for slot, leaf in slots.items():
-            name = _release_name(slot)
+            name = release_name(slot)
             if slot.target.startswith(EXPERTS_PREFIX):
                 packed, scale = encode_mxfp4(random(leaf.shape, np.float32))
                 base = name.removesuffix(slot.target) + EXPERTS_PREFIX

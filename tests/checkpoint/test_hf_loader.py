@@ -7,17 +7,16 @@ loaded model must give exactly the golden model's logits.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 import k3jax
 from k3jax.checkpoint import CheckpointError, CheckpointIndex, decode_mxfp4
+from tests.conftest import write_variant
 
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 512, (1, 20)), jnp.int32)
 
@@ -31,13 +30,6 @@ def golden_tensors(golden_dir) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def golden_logits(golden_model_fp32):
     return np.asarray(golden_model_fp32(IDS))
-
-
-def write_variant(root: Path, golden_dir: Path, tensors: dict[str, np.ndarray]) -> Path:
-    root.mkdir()
-    shutil.copy(golden_dir / "config.json", root / "config.json")
-    save_file(tensors, str(root / "model.safetensors"))
-    return root
 
 
 def test_text_only_names_without_prefix(tmp_path, golden_dir, golden_tensors, golden_logits):

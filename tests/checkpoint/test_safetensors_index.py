@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from k3jax.checkpoint import CheckpointError, CheckpointIndex, decode_mxfp4, encode_mxfp4
+from tests.conftest import GOLDEN_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "language_model.model.layers"
@@ -19,10 +20,7 @@ KDA_LAYERS = [0, 1, 2, 4, 5, 6, 8, 9, 10]
 
 
 def golden_dir() -> Path:
-    for candidate in (REPO / "tests/golden/k3-tiny-a", REPO.parent / "shared/golden/k3-tiny-a"):
-        if candidate.is_dir():
-            return candidate
-    pytest.skip("golden checkpoint k3-tiny-a not found")
+    return GOLDEN_DIR
 
 
 @pytest.fixture(scope="module")

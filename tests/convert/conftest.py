@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from k3jax.checkpoint import CheckpointIndex
 from k3jax.checkpoint.release_writer import write_release  # noqa: F401  (re-exported for the tests)
@@ -39,14 +38,6 @@ def golden_config(golden_dir: Path, **text_overrides) -> dict:
     config = json.loads((golden_dir / "config.json").read_text())
     config["text_config"].update(text_overrides)
     return config
-
-
-def write_variant(root: Path, golden_dir: Path, tensors: dict[str, np.ndarray]) -> Path:
-    """The golden config with `tensors` as a single-file checkpoint (an edited copy of the release)."""
-    root.mkdir(parents=True)
-    (root / "config.json").write_bytes((golden_dir / "config.json").read_bytes())
-    save_file(tensors, str(root / "model.safetensors"))
-    return root
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
+from k3jax.checkpoint.release_writer import release_name
 from k3jax.config import K3Config
 from k3jax.convert.plan import EXPERTS_PREFIX, abstract_items
 from k3jax.model import K3Model
@@ -33,12 +34,6 @@ NUM_SHARDS = 96
 _ST_DTYPES = {"bfloat16": "BF16", "float32": "F32", "uint8": "U8"}
 
 
-def _release_name(slot) -> str:
-    if slot.layer is not None:
-        return f"language_model.model.layers.{slot.layer}.{slot.target}"
-    return "language_model." + (slot.target if slot.target.startswith("lm_head.") else f"model.{slot.target}")
-
-
 def release_tensors(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, shape) of every tensor of the release described by `config`, in order."""
     cfg = K3Config.from_hf(config)
@@ -46,7 +41,7 @@ def release_tensors(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     tensors = []
     for slots in abstract_items(abstract).values():
         for slot, leaf in slots.items():
-            name, dtype, shape = _release_name(slot), _ST_DTYPES[np.dtype(leaf.dtype).name], tuple(leaf.shape)
+            name, dtype, shape = release_name(slot), _ST_DTYPES[np.dtype(leaf.dtype).name], tuple(leaf.shape)
             if slot.target.startswith(EXPERTS_PREFIX):
                 num_experts, out, cols = shape
                 base = name.removesuffix(slot.target) + EXPERTS_PREFIX

@@ -13,7 +13,8 @@ import k3jax
 from k3jax.checkpoint import CheckpointError
 from k3jax.cli import main
 from k3jax.convert.store import COMPLETE, MANIFEST
-from tests.convert.conftest import run_cli, write_variant
+from tests.conftest import write_variant
+from tests.convert.conftest import run_cli
 
 Q_PROJ = "language_model.model.layers.2.self_attn.q_proj.weight"
 EXPERT = "language_model.model.layers.3.block_sparse_moe.experts.5.w1"

@@ -8,9 +8,6 @@ within the fp32 noise of a partitioned forward (tests/sharding explains the boun
 
 from __future__ import annotations
 
-import ctypes
-import os
-
 import jax
 import numpy as np
 import pytest
@@ -27,22 +24,6 @@ MESH = "expert=2,tensor=2,data=2"
 IDS = np.random.default_rng(0).integers(0, 512, (2, 8)).astype(np.int32)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (jax_num_cpu_devices=8 on CPU)")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_threaded_openblas():
-    """As in tests/sharding: 8 fake devices calling OpenBLAS at once on 2 cores spin ~40x slower."""
-    import scipy.linalg  # noqa: F401
-
-    restore = []
-    if os.path.exists("/proc/self/maps"):
-        for path in {line.split()[-1] for line in open("/proc/self/maps") if "libscipy_openblas-" in line}:
-            lib = ctypes.CDLL(path)
-            restore.append((lib, lib.scipy_openblas_get_num_threads()))
-            lib.scipy_openblas_set_num_threads(1)
-    yield
-    for lib, threads in restore:
-        lib.scipy_openblas_set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

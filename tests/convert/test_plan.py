@@ -14,7 +14,7 @@ from k3jax.config import K3Config
 from k3jax.convert import plan_conversion
 from k3jax.convert.plan import abstract_items
 from k3jax.model import K3Model
-from tests.convert.conftest import write_variant
+from tests.conftest import write_variant
 
 
 def test_plan_is_built_from_headers_only(golden_dir, monkeypatch):

@@ -3,8 +3,6 @@ slow part of these tests on CPU)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -18,7 +16,7 @@ from k3jax.config import K3Config
 from k3jax.model import K3Model
 from k3jax.nn.decoder import DecoderLayer
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "k3-tiny-a"
+from tests.conftest import GOLDEN_DIR as GOLDEN  # noqa: E402
 
 
 @pytest.fixture(scope="session")

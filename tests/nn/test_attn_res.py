@@ -9,8 +9,6 @@ prefix is pushed (and becomes None) after the pre-mixer mix and before the mixer
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import dataclasses
 
 import jax
@@ -25,7 +23,7 @@ from k3jax.config import K3Config  # noqa: E402
 from k3jax.nn.attn_res import AttnResStream, attn_res_mix  # noqa: E402
 
 EPS = 1e-5
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "k3-tiny-a"
+from tests.conftest import GOLDEN_DIR as GOLDEN  # noqa: E402
 
 
 def np_mix(sources: list[np.ndarray], query: np.ndarray, key_norm: np.ndarray, eps: float = EPS) -> np.ndarray:

@@ -5,8 +5,6 @@ Exact integers and exact parameter equality throughout: no tolerances.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -19,7 +17,7 @@ from k3jax.layer_plan import LayerPlan, plan_layers  # noqa: E402
 from k3jax.model import K3Model  # noqa: E402
 from flax import nnx  # noqa: E402
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "k3-tiny-a"
+from tests.conftest import GOLDEN_DIR as GOLDEN  # noqa: E402
 
 
 def k3_release_kinds() -> list[tuple[str, str]]:

@@ -7,8 +7,6 @@ E(z) = w2 SiTU(w1 z, w3 z); RMSNorm (eps 1e-5) with gain; W_up. Plus shared SiTU
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -22,7 +20,7 @@ from k3jax.config import K3Config  # noqa: E402
 from k3jax.nn.moe import LatentMoE, route_topk  # noqa: E402
 from pallas_kernels.moe import experts_all_dense, experts_ragged_dot, routed_experts  # noqa: E402
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "k3-tiny-a"
+from tests.conftest import GOLDEN_DIR as GOLDEN  # noqa: E402
 B1, B2 = 4.0, 25.0
 
 
