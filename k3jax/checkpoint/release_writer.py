@@ -17,15 +17,13 @@ from safetensors.numpy import save_file
 
 from k3jax.checkpoint.mxfp4 import encode_mxfp4
 from k3jax.config import K3Config
-from k3jax.convert.plan import EXPERTS_PREFIX, abstract_items
+from k3jax.convert.plan import EXPERTS_PREFIX, abstract_items, source_name
 from k3jax.model import K3Model
 
 
 def release_name(slot) -> str:
     """The release tensor name of a plan slot (a model leaf of one layer, or of the embed/head items)."""
-    if slot.layer is not None:
-        return f"language_model.model.layers.{slot.layer}.{slot.target}"
-    return "language_model." + (slot.target if slot.target.startswith("lm_head.") else f"model.{slot.target}")
+    return "language_model." + source_name(slot)
 
 
 def write_release(root: Path, config: dict, *, seed: int = 0, num_shards: int = 2, std: float = 0.02) -> Path:

@@ -204,7 +204,8 @@ class _Sources:
         )
 
 
-def _source_name(slot: Slot) -> str:
+def source_name(slot: Slot) -> str:
+    """The text-model tensor name of a slot, without the release's `language_model.` prefix."""
     if slot.layer is not None:
         return f"model.layers.{slot.layer}.{slot.target}"
     return slot.target if slot.target.startswith("lm_head.") else f"model.{slot.target}"
@@ -265,7 +266,7 @@ def _plan_packed_leaf(src: _Sources, slot: Slot, shape: tuple[int, ...]) -> Leaf
 
 
 def _plan_leaf(src: _Sources, slot: Slot, abstract: jax.ShapeDtypeStruct, dtype: np.dtype) -> LeafPlan:
-    name, shape = _source_name(slot), tuple(abstract.shape)
+    name, shape = source_name(slot), tuple(abstract.shape)
     if slot.target.startswith(EXPERTS_PREFIX) and slot.target.endswith((".packed", ".scale")):
         return _plan_packed_leaf(src, slot, shape)
     if slot.target.startswith(EXPERTS_PREFIX):
