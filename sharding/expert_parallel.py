@@ -276,7 +276,6 @@ def ep_routed_experts(
     if num_experts % ep:
         raise ValueError(f"{num_experts} experts do not split over {expert_axis}={ep}")
     tok_axes = tuple(a for a in token_axes if a != expert_axis and mesh.shape[a] > 1)
-    n_tok = math.prod(mesh.shape[a] for a in tok_axes)
     f_axis = tensor_axis if tensor_axis is not None and mesh.shape.get(tensor_axis, 1) > 1 \
         and f % mesh.shape[tensor_axis] == 0 else None
     exchange = _resolve_exchange(exchange)

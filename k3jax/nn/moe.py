@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
-from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm, constant_init, declare, normal_init
+from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm, declare, normal_init
 from k3jax.nn.situ import SiTUMLP
 from jax.sharding import Mesh
 

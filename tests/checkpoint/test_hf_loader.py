@@ -7,7 +7,6 @@ loaded model must give exactly the golden model's logits.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes

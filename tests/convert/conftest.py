@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from k3jax.checkpoint import CheckpointIndex
-from k3jax.checkpoint.release_writer import write_release  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parents[2]
 

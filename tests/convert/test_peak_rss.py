@@ -15,7 +15,8 @@ import sys
 
 from k3jax.convert import plan_conversion
 from k3jax.convert.store import COMPLETE, MANIFEST
-from tests.convert.conftest import golden_config, k3jax_command, subprocess_env, write_release
+from k3jax.checkpoint.release_writer import write_release
+from tests.convert.conftest import golden_config, k3jax_command, subprocess_env
 
 
 # Linux keeps a child's pre-exec high-water mark in ru_maxrss, and a child forked from this test
