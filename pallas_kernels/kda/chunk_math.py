@@ -1,0 +1,191 @@
+"""Per-chunk KDA algebra on whole 64-token chunks, shared by the pure-JAX backward and its kernels.
+
+Every function takes one chunk of one head as 2-D arrays (``[C, K]``, ``[C, V]``, ``[C, C]``,
+``[K, V]``) and uses only elementwise ops, masks, row reductions, ``cumsum`` and 2-D dots, so the
+same code runs under ``jax.vmap`` (``chunk_backward.py``) and inside a Pallas-Triton kernel body
+(``pallas_kda_bwd.py``, which cannot slice register values). Math: kda.md section 2.1.
+
+Pairwise decays ``exp(G_r - G_i)`` (``r >= i``) are never formed as ``[C, C, K]`` tensors: the
+chunk is split into four 16-row sub-chunks and each factor is taken relative to the midpoint
+``G_m`` of the *row's* sub-chunk, ``exp(G_r - G_m) * exp(G_m - G_i)``. With the safe gate
+(``g >= -5``) both exponents stay inside ``[-280, 40]``: no overflow in fp32 or bf16, and a factor
+that underflows multiplies a pair whose true decay is below ``e^-100``. A sub-chunk's column
+factors are clamped at ``e^40`` so that the masked (``i > r``) entries stay finite.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_F32 = jnp.float32
+_HI = lax.Precision.HIGHEST
+C = 64  # chunk
+BC = 16  # sub-chunk
+NC = C // BC
+MID = 8  # midpoint row of a sub-chunk
+_CLAMP = 40.0
+
+
+def dot(a: jax.Array, b: jax.Array, mm_dtype, *, trans_a: bool = False,
+        trans_b: bool = False) -> jax.Array:
+    """a @ b (optionally transposed) with fp32 accumulation; fp32 operands use IEEE fp32."""
+    dims = (((0,) if trans_a else (1,)), ((1,) if trans_b else (0,)))
+    if mm_dtype == _F32:
+        return lax.dot_general(a.astype(_F32), b.astype(_F32), (dims, ((), ())),
+                               precision=(_HI, _HI), preferred_element_type=_F32)
+    return lax.dot_general(a.astype(mm_dtype), b.astype(mm_dtype), (dims, ((), ())),
+                           preferred_element_type=_F32)
+
+
+def _iota(shape: tuple[int, int], axis: int) -> jax.Array:
+    return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def _row(x: jax.Array, r: int) -> jax.Array:
+    """Row ``r`` of a 2-D array as ``[1, n]`` (a masked sum: Triton cannot index registers)."""
+    return jnp.sum(jnp.where(_iota(x.shape, 0) == r, x, 0.0), axis=0, keepdims=True)
+
+
+def causal_masks() -> tuple[jax.Array, jax.Array]:
+    """(r >= i, r > i) masks of a [C, C] chunk matrix."""
+    ri, ci = _iota((C, C), 0), _iota((C, C), 1)
+    return ri >= ci, ri > ci
+
+
+def decay_factors(G: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    """``exp(G_r - G_m(r))`` [C, K] and, per sub-chunk I, ``exp(min(G_m(I) - G_i, 40))`` [C, K]."""
+    mids = [_row(G, i * BC + MID) for i in range(NC)]
+    block = _iota(G.shape, 0) // BC
+    g_mid = mids[0]
+    for i in range(1, NC):
+        g_mid = jnp.where(block == i, mids[i], g_mid)
+    return jnp.exp(G - g_mid), [jnp.exp(jnp.minimum(m - G, _CLAMP)) for m in mids]
+
+
+def _row_block(M: jax.Array, i: int) -> jax.Array:
+    return jnp.where(_iota(M.shape, 0) // BC == i, M, 0.0)
+
+
+def pair_scores(x, y, row_fac, col_facs, mm_dtype) -> jax.Array:
+    """P[r, i] = sum_d x_r[d] y_i[d] exp(G_r[d] - G_i[d]) for i <= r (upper triangle: garbage)."""
+    xr = x * row_fac
+    out = None
+    for i, cf in enumerate(col_facs):
+        p = _row_block(dot(xr, y * cf, mm_dtype, trans_b=True), i)
+        out = p if out is None else out + p
+    return out
+
+
+def pair_row_grad(M, y, row_fac, col_facs, mm_dtype) -> jax.Array:
+    """d/dx_r of sum M * P(x, y): sum_i M[r, i] y_i exp(G_r - G_i); M must be lower triangular."""
+    out = None
+    for i, cf in enumerate(col_facs):
+        p = dot(_row_block(M, i), y * cf, mm_dtype)
+        out = p if out is None else out + p
+    return row_fac * out
+
+
+def pair_col_grad(M, x, row_fac, col_facs, mm_dtype) -> jax.Array:
+    """d/dy_i of sum M * P(x, y): sum_r M[r, i] x_r exp(G_r - G_i); M must be lower triangular."""
+    xr = x * row_fac
+    out = None
+    for i, cf in enumerate(col_facs):
+        p = cf * dot(_row_block(M, i), xr, mm_dtype, trans_a=True)
+        out = p if out is None else out + p
+    return out
+
+
+def unit_lower_inverse(L: jax.Array) -> jax.Array:
+    """(I + L)^{-1} for a strictly lower [C, C] L, in fp32, without slicing.
+
+    I + L = (I + D)(I + N) with D the 16x16 diagonal blocks of L and N = (I + D)^{-1} (L - D)
+    strictly block-lower, so (I + L)^{-1} = (I - N + N^2 - N^3)(I + D)^{-1}. Each diagonal block
+    of (I + D)^{-1} is the exact Neumann product (I - D)(I + D^2)(I + D^4)(I + D^8) (D nilpotent of
+    order 16). Same algebra as the forward kernel's block substitution; powers never exceed 16.
+    """
+    ri, ci = _iota((C, C), 0), _iota((C, C), 1)
+    eye = (ri == ci).astype(_F32)
+    diag = ri // BC == ci // BC
+    D = jnp.where(diag, L, 0.0)
+    mm = lambda a, b: dot(a, b, _F32)  # noqa: E731
+    D2 = mm(D, D)
+    P = mm(eye - D, eye + D2)
+    D4 = mm(D2, D2)
+    P = mm(P, eye + D4)
+    Dinv = mm(P, eye + mm(D4, D4))
+    N = mm(Dinv, jnp.where(diag, 0.0, L))
+    S = eye - N
+    S = eye - mm(N, S)
+    S = eye - mm(N, S)
+    return mm(S, Dinv)
+
+
+def chunk_parts(qs, k, v, g, beta, mm_dtype) -> dict[str, jax.Array]:
+    """The chunk's forward quantities (kda.md 2.1) from scaled q, k, v, g [C, *] and beta [C].
+
+    A = (I + L)^{-1}, W = A (beta k e^G), U = A (beta v), Aqk (causal), Qg = qs e^G,
+    Kd = k e^{G_last - G}, gl = e^{G_last} [1, K].
+    """
+    causal, strict = causal_masks()
+    G = jnp.cumsum(g, axis=0)
+    G_last = _row(G, C - 1)
+    row_fac, col_facs = decay_factors(G)
+    b = beta[:, None]
+    L = jnp.where(strict, b * pair_scores(k, k, row_fac, col_facs, mm_dtype), 0.0)
+    aqk = jnp.where(causal, pair_scores(qs, k, row_fac, col_facs, mm_dtype), 0.0)
+    A = unit_lower_inverse(L)
+    eg = jnp.exp(G)
+    return dict(
+        A=A, W=dot(A, b * k * eg, mm_dtype), U=dot(A, b * v, mm_dtype), Aqk=aqk, Qg=qs * eg,
+        Kd=k * jnp.exp(G_last - G), gl=jnp.exp(G_last),
+    )
+
+
+def chunk_grads(qs, k, v, g, beta, A, W, U, h, dh, do, dvn, mm_dtype):
+    """Gradients of one chunk given its input state ``h`` [K, V], the gradient ``dh`` of its output
+    state, ``do`` [C, V] and ``dvn = dL/dv_new`` [C, V] (from the reverse state pass).
+
+    Returns ``(dqs, dk, dv, dg, dbeta)``; ``dqs`` is w.r.t. the scaled q. ``g`` enters through
+    ``G = cumsum(g)``, so ``dg`` is the reverse cumsum of ``dG`` plus ``dG_last`` on every row.
+    """
+    causal, strict = causal_masks()
+    G = jnp.cumsum(g, axis=0)
+    G_last = _row(G, C - 1)
+    row_fac, col_facs = decay_factors(G)
+    b = beta[:, None]
+    eg = jnp.exp(G)
+    ed = jnp.exp(G_last - G)
+    vn = U - dot(W, h, mm_dtype)
+
+    # o = Qg h + Aqk vn;  vn = U - W h;  h_next = e^{G_last} h + Kd^T vn
+    dQg = dot(do, h, mm_dtype, trans_b=True)
+    dAqk = jnp.where(causal, dot(do, vn, mm_dtype, trans_b=True), 0.0)
+    dW = -dot(dvn, h, mm_dtype, trans_b=True)
+    dKd = dot(vn, dh, mm_dtype, trans_b=True)
+    dgl = jnp.sum(h * dh, axis=1)[None, :]
+
+    # W = A (b k e^G), U = A (b v), A = (I + L)^{-1}: dL = -A^T dA A^T = -(A^T dW) W^T - (A^T dU) U^T
+    yw = dot(A, dW, mm_dtype, trans_a=True)
+    yu = dot(A, dvn, mm_dtype, trans_a=True)
+    dL = jnp.where(strict, -dot(yw, W, mm_dtype, trans_b=True) - dot(yu, U, mm_dtype, trans_b=True),
+                   0.0)
+    kg = k * eg
+    dv = b * yu
+    dbeta = jnp.sum(yw * kg, axis=1) + jnp.sum(yu * v, axis=1)
+
+    # L = b_r P(k, k): row side taken with dL (gives dbeta), column side with b_r dL.
+    rk = pair_row_grad(dL, k, row_fac, col_facs, mm_dtype)
+    ck = pair_col_grad(dL, b * k, row_fac, col_facs, mm_dtype)
+    rq = pair_row_grad(dAqk, k, row_fac, col_facs, mm_dtype)
+    cq = pair_col_grad(dAqk, qs, row_fac, col_facs, mm_dtype)
+    dbeta = dbeta + jnp.sum(k * rk, axis=1)
+
+    dqs = dQg * eg + rq
+    dk = b * rk + ck + cq + b * yw * eg + dKd * ed
+    kd = k * ed
+    dG = (qs * dqs + b * k * rk - k * (ck + cq) + b * yw * kg - dKd * kd)
+    dG_last = jnp.sum(dKd * kd, axis=0, keepdims=True) + dgl * jnp.exp(G_last)
+    dg = jnp.sum(dG, axis=0, keepdims=True) - jnp.cumsum(dG, axis=0) + dG + dG_last
+    return dqs, dk, dv, dg, dbeta
