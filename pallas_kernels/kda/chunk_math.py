@@ -45,7 +45,7 @@ def _iota(shape: tuple[int, int], axis: int) -> jax.Array:
 
 def _row(x: jax.Array, r: int) -> jax.Array:
     """Row ``r`` of a 2-D array as ``[1, n]`` (a masked sum: Triton cannot index registers)."""
-    return jnp.sum(jnp.where(_iota(x.shape, 0) == r, x, 0.0), axis=0, keepdims=True)
+    return jnp.sum(jnp.where(_iota(x.shape, 0) == r, x, 0.0), axis=0)[None, :]
 
 
 def causal_masks() -> tuple[jax.Array, jax.Array]:
@@ -186,6 +186,6 @@ def chunk_grads(qs, k, v, g, beta, A, W, U, h, dh, do, dvn, mm_dtype):
     dk = b * rk + ck + cq + b * yw * eg + dKd * ed
     kd = k * ed
     dG = (qs * dqs + b * k * rk - k * (ck + cq) + b * yw * kg - dKd * kd)
-    dG_last = jnp.sum(dKd * kd, axis=0, keepdims=True) + dgl * jnp.exp(G_last)
-    dg = jnp.sum(dG, axis=0, keepdims=True) - jnp.cumsum(dG, axis=0) + dG + dG_last
+    dG_last = jnp.sum(dKd * kd, axis=0)[None, :] + dgl * jnp.exp(G_last)
+    dg = jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG + dG_last
     return dqs, dk, dv, dg, dbeta

@@ -1,0 +1,204 @@
+"""Analytic backward of the safe-gate chunked KDA as Pallas kernels (Triton lowering on GPU).
+
+The same three passes as ``chunk_backward.py`` (whose per-chunk algebra, ``chunk_math.py``, each
+kernel body calls on whole 64-token tiles), as four ``pl.pallas_call``s:
+
+1. ``_parts_kernel``, grid ``(B, H, N)``, parallel: recompute the chunk's A = (I + L)^{-1}, W, U,
+   Aqk, Qg, Kd and decay gl from q, k, v, g, beta.
+2. ``_states_kernel``, grid ``(B, H, V / BV)``: the forward state recurrence again with the fp32
+   state ``[K, BV]`` on chip, storing every chunk's input state ``h``.
+3. ``_dstates_kernel``, grid ``(B, H, V / BV)``: the reverse recurrence with ``dS`` on chip:
+   ``dv_new = Aqk^T dO + Kd dS``, store ``dh = dS``, then
+   ``dS <- gl * dS + Qg^T dO - W^T dv_new``; its last value is the initial state's gradient.
+   V columns are independent in both recurrences, which is what allows the V split.
+4. ``_grads_kernel``, grid ``(B, H, N)``, parallel: dq, dk, dv, dg, dbeta of the chunk.
+
+Nothing comes from the forward pass: residuals are the inputs, everything else is recomputed.
+Intermediates are stored in the input dtype (bf16 in training, like fla's backward), states and
+accumulation in fp32; fp32 inputs keep everything fp32 with IEEE matmuls (what the tests use).
+Requires the safe gate, ``g >= -5`` (see ``chunk_math.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.chunk_math import C, chunk_grads, chunk_parts, dot
+
+try:  # Triton compiler params (GPU only); interpret mode ignores them.
+    from jax.experimental.pallas import triton as pl_triton
+except ImportError:  # pragma: no cover
+    pl_triton = None
+
+_F32 = jnp.float32
+
+
+def _parts_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, aqk_ref, qg_ref,
+                  kd_ref, gl_ref, *, scale, mm_dtype):
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ts = pl.ds(c * C, C)
+    p = chunk_parts(
+        q_ref[b, ts, h, :].astype(_F32) * scale, k_ref[b, ts, h, :].astype(_F32),
+        v_ref[b, ts, h, :].astype(_F32), g_ref[b, ts, h, :].astype(_F32),
+        b_ref[b, ts, h].astype(_F32), mm_dtype,
+    )
+    for ref, name in ((a_ref, "A"), (w_ref, "W"), (u_ref, "U"), (aqk_ref, "Aqk"), (qg_ref, "Qg"),
+                      (kd_ref, "Kd")):
+        ref[b, ts, h, :] = p[name].astype(ref.dtype)
+    gl_ref[b, c, h, :] = jnp.sum(p["gl"], axis=0)
+
+
+def _states_kernel(w_ref, u_ref, kd_ref, gl_ref, h0_ref, hs_ref, *, n_chunks, bv, mm_dtype):
+    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(iv * bv, bv)
+
+    def body(c, S):
+        ts = pl.ds(c * C, C)
+        hs_ref[b, c, h, :, vs] = S.astype(hs_ref.dtype)
+        v_new = u_ref[b, ts, h, vs].astype(_F32) - dot(w_ref[b, ts, h, :], S, mm_dtype)
+        gl = gl_ref[b, c, h, :]
+        return gl[:, None] * S + dot(kd_ref[b, ts, h, :], v_new, mm_dtype, trans_a=True)
+
+    lax.fori_loop(0, n_chunks, body, h0_ref[b, h, :, vs])
+
+
+def _dstates_kernel(qg_ref, w_ref, aqk_ref, kd_ref, gl_ref, do_ref, dht_ref, dhs_ref, dvn_ref,
+                    ds0_ref, *, n_chunks, bv, mm_dtype):
+    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(iv * bv, bv)
+
+    def body(i, dS):
+        c = n_chunks - 1 - i
+        ts = pl.ds(c * C, C)
+        do = do_ref[b, ts, h, vs]
+        dvn = dot(aqk_ref[b, ts, h, :], do, mm_dtype, trans_a=True) + dot(
+            kd_ref[b, ts, h, :], dS, mm_dtype)
+        dhs_ref[b, c, h, :, vs] = dS.astype(dhs_ref.dtype)
+        dvn_ref[b, ts, h, vs] = dvn.astype(dvn_ref.dtype)
+        gl = gl_ref[b, c, h, :]
+        return (gl[:, None] * dS + dot(qg_ref[b, ts, h, :], do, mm_dtype, trans_a=True)
+                - dot(w_ref[b, ts, h, :], dvn, mm_dtype, trans_a=True))
+
+    ds0_ref[b, h, :, vs] = lax.fori_loop(0, n_chunks, body, dht_ref[b, h, :, vs])
+
+
+def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref,
+                  dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, scale, mm_dtype):
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ts = pl.ds(c * C, C)
+    ld = lambda ref: ref[b, ts, h, :].astype(_F32)  # noqa: E731
+    dqs, dk, dv, dg, dbeta = chunk_grads(
+        ld(q_ref) * scale, ld(k_ref), ld(v_ref), ld(g_ref), b_ref[b, ts, h].astype(_F32),
+        ld(a_ref), ld(w_ref), ld(u_ref), hs_ref[b, c, h, :, :].astype(_F32),
+        dhs_ref[b, c, h, :, :].astype(_F32), ld(do_ref), ld(dvn_ref), mm_dtype,
+    )
+    dq_ref[b, ts, h, :] = (dqs * scale).astype(dq_ref.dtype)
+    dk_ref[b, ts, h, :] = dk.astype(dk_ref.dtype)
+    dv_ref[b, ts, h, :] = dv.astype(dv_ref.dtype)
+    dg_ref[b, ts, h, :] = dg.astype(dg_ref.dtype)
+    db_ref[b, ts, h] = dbeta.astype(db_ref.dtype)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "interpret", "block_v", "num_warps", "num_stages")
+)
+def _bwd(q, k, v, g, beta, h0, do, dht, *, scale, interpret, block_v, num_warps, num_stages):
+    B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
+    V = v.shape[-1]
+    n = Tp // C
+    mm_dtype = _F32 if v.dtype == _F32 else jnp.bfloat16
+    sd = _F32 if mm_dtype == _F32 else v.dtype
+    bv = block_v
+    params = {}
+    if not interpret and pl_triton is not None:
+        params = dict(compiler_params=pl_triton.CompilerParams(
+            num_warps=num_warps, num_stages=num_stages))
+    sds = jax.ShapeDtypeStruct
+
+    A, W, U, aqk, qg, kd, gl = pl.pallas_call(
+        functools.partial(_parts_kernel, scale=scale, mm_dtype=mm_dtype),
+        grid=(B, H, n),
+        out_shape=(sds((B, Tp, H, C), sd), sds((B, Tp, H, K), sd), sds((B, Tp, H, V), sd),
+                   sds((B, Tp, H, C), sd), sds((B, Tp, H, K), sd), sds((B, Tp, H, K), sd),
+                   sds((B, n, H, K), _F32)),
+        interpret=interpret, name="kda_bwd_parts", **params,
+    )(q, k, v, g, beta)
+
+    hs = pl.pallas_call(
+        functools.partial(_states_kernel, n_chunks=n, bv=bv, mm_dtype=mm_dtype),
+        grid=(B, H, V // bv),
+        out_shape=sds((B, n, H, K, V), sd),
+        interpret=interpret, name="kda_bwd_states", **params,
+    )(W, U, kd, gl, h0)
+
+    dhs, dvn, ds0 = pl.pallas_call(
+        functools.partial(_dstates_kernel, n_chunks=n, bv=bv, mm_dtype=mm_dtype),
+        grid=(B, H, V // bv),
+        out_shape=(sds((B, n, H, K, V), sd), sds((B, Tp, H, V), sd), sds((B, H, K, V), _F32)),
+        interpret=interpret, name="kda_bwd_dstates", **params,
+    )(qg, W, aqk, kd, gl, do, dht)
+
+    dq, dk, dv, dg, db = pl.pallas_call(
+        functools.partial(_grads_kernel, scale=scale, mm_dtype=mm_dtype),
+        grid=(B, H, n),
+        out_shape=(sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(v.shape, v.dtype),
+                   sds(g.shape, g.dtype), sds(beta.shape, beta.dtype)),
+        interpret=interpret, name="kda_bwd_grads", **params,
+    )(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn)
+    return dq, dk, dv, dg, db, ds0
+
+
+def pallas_chunk_kda_bwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    initial_state: jax.Array,
+    do: jax.Array,
+    dht: jax.Array,
+    *,
+    scale: float,
+    interpret: bool | None = None,
+    block_v: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 1,
+) -> tuple[jax.Array, ...]:
+    """Gradients of ``pallas_chunk_kda``'s ``(o, final_state)`` (safe gate, fla conventions).
+
+    q, k, g [B, T, H, K]; v, do [B, T, H, V]; beta [B, T, H]; initial_state, dht fp32
+    [B, H, K, V]. Returns ``(dq, dk, dv, dg, dbeta, d initial_state)`` in the inputs' dtypes
+    (the state gradient fp32). ``interpret`` defaults to True off GPU.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if not interpret:
+        bad = [f"{n}={d}" for n, d in (("K", K), ("V", V)) if d < 16 or d & (d - 1)]
+        if bad:
+            raise ValueError(
+                f"pallas KDA backward on GPU needs K and V powers of two >= 16 (Triton), got {bad}")
+    bv = min(block_v, V)
+    if V % bv:
+        raise ValueError(f"block_v: V={V} is not a multiple of block_v={bv}")
+    Tp = -(-T // C) * C
+    if Tp != T:  # identity steps (k = v = beta = g = 0) with zero output cotangent
+        pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+        q, k, v, g, beta, do = map(pad, (q, k, v, g, beta, do))
+    dq, dk, dv, dg, db, ds0 = _bwd(
+        q, k, v, g, beta, initial_state.astype(_F32), do.astype(v.dtype), dht.astype(_F32),
+        scale=float(scale), interpret=bool(interpret), block_v=bv, num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if Tp != T:
+        dq, dk, dv, dg, db = (x[:, :T] for x in (dq, dk, dv, dg, db))
+    return dq, dk, dv, dg, db, ds0
+
+
+__all__ = ["pallas_chunk_kda_bwd"]
