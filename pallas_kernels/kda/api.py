@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from pallas_kernels.kda.pallas_decode import gpu_supported as _decode_gpu_supported
 from pallas_kernels.kda.pallas_decode import pallas_kda_decode
 from pallas_kernels.kda.pallas_kda import LOWER_BOUND_MIN, pallas_chunk_kda
+from pallas_kernels.kda.pallas_kda_bwd import pallas_chunk_kda_bwd
 from pallas_kernels.kda.pallas_mosaic_tpu import tpu_kda_decode
 from pallas_kernels.kda.reference import chunked_kda, host_offsets, recurrent_kda_step
 
@@ -61,9 +62,8 @@ def _pallas_op(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _pallas_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale):
-    """The Pallas forward, differentiable: its backward is the VJP of the exact chunked reference
-    (recomputed from the inputs), so training through the kernel path works before the analytic
-    Pallas backward exists. Gradients for q, k, v, g, beta and the initial state."""
+    """The Pallas forward, differentiable: gradients for q, k, v, g, beta and the initial state
+    from the analytic Pallas backward (``pallas_kda_bwd.py``, recomputing from the inputs)."""
     return pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
 
 
@@ -73,9 +73,7 @@ def _pallas_kda_fwd(q, k, v, g, beta, initial_state, scale):
 
 
 def _pallas_kda_bwd(scale, inputs, cotangents):
-    reference = lambda q, k, v, g, beta, s0: chunked_kda(q, k, v, g, beta, scale=scale, initial_state=s0)  # noqa: E731
-    _, vjp = jax.vjp(reference, *inputs)
-    return vjp(cotangents)
+    return pallas_chunk_kda_bwd(*inputs, *cotangents, scale=scale)
 
 
 _pallas_kda_with_reference_vjp.defvjp(_pallas_kda_fwd, _pallas_kda_bwd)
