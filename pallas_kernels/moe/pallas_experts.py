@@ -13,29 +13,40 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.pallas_grouped_gemm import (
-    DOWN_DEFAULT, TileConfig, gate_up_config,
+    DOWN_DEFAULT, TileConfig, Weight, gate_up_config,
 )
 from pallas_kernels.moe.pallas_vjp import expert_mlp
-from pallas_kernels.moe.reference import sort_by_expert
+from pallas_kernels.moe.reference import MXFP4Experts, sort_by_expert
 
 F32 = jnp.float32
 
 
-def fit_config(cfg: TileConfig, k: int, n: int) -> TileConfig:
-    """Shrink block_k / block_n (powers of two, >= 16) until they divide K / N; raise if none does."""
+def fit_config(cfg: TileConfig, k: int, n: int, *, k_multiple: int = 16) -> TileConfig:
+    """Shrink block_k / block_n (powers of two) until they divide K / N; raise if none does.
 
-    def fit(block: int, dim: int, name: str) -> int:
-        while block >= 16 and dim % block:
+    block_n stays >= 16; block_k stays >= k_multiple (32 for MXFP4 weights: one scale byte per 32 inputs)
+    and starts there if cfg's is smaller."""
+
+    def fit(block: int, dim: int, name: str, floor: int) -> int:
+        while block >= floor and dim % block:
             block //= 2
-        if block < 16:
-            raise ValueError(f"{name}={dim} is not a multiple of 16: the Pallas grouped GEMM needs that")
+        if block < floor:
+            raise ValueError(f"{name}={dim} is not a multiple of {floor}: the Pallas grouped GEMM needs that")
         return block
 
-    return dataclasses.replace(cfg, block_k=fit(cfg.block_k, k, "K"), block_n=fit(cfg.block_n, n, "N"))
+    block_k = fit(max(cfg.block_k, k_multiple), k, "K", k_multiple)
+    return dataclasses.replace(cfg, block_k=block_k, block_n=fit(cfg.block_n, n, "N", 16))
 
 
-def _pad_to(a: jax.Array, axis: int, multiple: int = 16) -> jax.Array:
-    """Zero-pad one axis up to a multiple (a no-op, and no copy, for the model's real widths)."""
+def _pad_to(a: Weight, axis: int, multiple: int = 16) -> Weight:
+    """Zero-pad one axis up to a multiple (a no-op, and no copy, for the model's real widths).
+
+    MXFP4 weights pad their rows (zero codes decode to zero); their input width is a multiple of 32 by
+    format, so padding it is always a no-op."""
+    if isinstance(a, MXFP4Experts):
+        if axis in (-1, a.packed.ndim - 1):
+            return a
+        return MXFP4Experts(_pad_to(a.packed, axis, multiple), _pad_to(a.scale, axis, multiple))
     extra = -a.shape[axis] % multiple
     if not extra:
         return a
@@ -45,7 +56,7 @@ def _pad_to(a: jax.Array, axis: int, multiple: int = 16) -> jax.Array:
 
 
 def experts_pallas(
-    x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, weights: jax.Array, ids: jax.Array,
+    x: jax.Array, w1: Weight, w2: Weight, w3: Weight, weights: jax.Array, ids: jax.Array,
     *, beta: float, linear_beta: float | None, interpret: bool | None = None,
     gate_up_cfg: TileConfig | None = None, down_cfg: TileConfig = DOWN_DEFAULT,
     bwd_cfg: TileConfig = DOWN_DEFAULT,
@@ -56,6 +67,8 @@ def experts_pallas(
     (pallas_vjp.expert_mlp: recompute gate/up, Pallas grouped GEMMs for dh and dx, and the Pallas
     row-contracting grouped GEMM `grouped_matmul_tn` for the per-expert weight gradients); gather,
     padding, routing weights and scatter-add are plain JAX. bwd_cfg: tiles of the backward's grouped GEMMs.
+    Weights may be `MXFP4Experts`: the grouped GEMMs then read the packed codes and scales and decode each
+    tile in registers (mxfp4_tile.py); the backward decodes the layer in XLA (packed weights get no gradient).
     On an H200 (2026-11-29, one ad-hoc run): bf16 gradients within 3-5e-3 of an fp32 oracle (XLA's bf16 path:
     the same), fwd+bwd 12.5 ms vs 1210 ms for XLA autodiff of experts_ragged_dot at 2048 tokens x top-8,
     28 experts, 3584 -> 3072.

@@ -14,6 +14,12 @@ weights keep the release layout [E, N, K] (``out, in``), so a weight tile is rea
 the MMA transposed (no host-side transpose). Rows past ``sum(group_sizes)`` come out as zeros, as in
 ``lax.ragged_dot``. bf16 operands, fp32 accumulation, output in ``x.dtype`` unless asked otherwise.
 
+MXFP4 weights (``MXFP4Experts``: uint8 codes [E, N, K/2] + E8M0 scales [E, N, K/32], the release layout)
+go through the same kernel: each k step loads the packed [bn, bk/2] code tile and its [bn, bk/32] scales
+and decodes them to x's dtype in registers (mxfp4_tile.py) right before the dot, so HBM traffic for
+weights is 4.25 bits per weight and no decoded copy of the layer is ever written. block_k must then be
+a multiple of 32 (one scale byte per 32 inputs).
+
 Work decomposition (computed in plain JAX inside the same jit, a few hundred int32 ops): every expert's
 rows are cut into ``block_m`` row tiles that never straddle two experts (at most ``cdiv(M, bm) + E``
 tiles); each (row tile, column block) pair is one program. Programs are numbered expert by expert, and
@@ -57,7 +63,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.moe.mxfp4_tile import BLOCK, decode_tile
+from pallas_kernels.moe.reference import MXFP4Experts
+
 F32 = jnp.float32
+Weight = jax.Array | MXFP4Experts  # [E, N, K] dense, or packed codes [E, N, K/2] + scales [E, N, K/32]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +138,22 @@ def _situ_f32(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None
     return gate * up
 
 
-def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused: bool, beta, linear_beta,
-            approx: bool):
-    if fused:
-        w1_ref, w3_ref, o_ref = refs
-    else:
-        (w1_ref, o_ref), w3_ref = refs, None
+def _weight_tile(w_refs, grp, n0, k0, bn: int, bk: int, dtype) -> jax.Array:
+    """The [bn, bk] weight tile of expert grp at (n0, k0): a plain load, or packed codes + scales decoded."""
+    if len(w_refs) == 1:
+        return w_refs[0][grp, pl.ds(n0, bn), pl.ds(k0, bk)]
+    packed_ref, scale_ref = w_refs
+    packed = packed_ref[grp, pl.ds(n0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)]
+    scale = scale_ref[grp, pl.ds(n0, bn), pl.ds(pl.multiple_of(k0 // BLOCK, bk // BLOCK), bk // BLOCK)]
+    return decode_tile(packed, scale, dtype)
+
+
+def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused: bool, mxfp4: bool, beta,
+            linear_beta, approx: bool):
+    per_weight = 2 if mxfp4 else 1  # refs: (packed, scale) per MXFP4 weight, else one array
+    w1_refs = refs[:per_weight]
+    w3_refs = refs[per_weight:2 * per_weight] if fused else None
+    o_ref = refs[-1]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     num_k = x_ref.shape[1] // bk
     pid = pl.program_id(0)
@@ -153,11 +173,11 @@ def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused
         def body(k, accs):
             k0 = pl.multiple_of(k * bk, bk)
             xt = x_ref[pl.ds(load_start, bm), pl.ds(k0, bk)]
-            w1t = w1_ref[grp, pl.ds(n0, bn), pl.ds(k0, bk)]
             dims = (((1,), (1,)), ((), ()))  # x [bm, bk] . w [bn, bk]^T
+            w1t = _weight_tile(w1_refs, grp, n0, k0, bn, bk, xt.dtype)
             new = [accs[0] + jax.lax.dot_general(xt, w1t, dims, preferred_element_type=F32)]
             if fused:
-                w3t = w3_ref[grp, pl.ds(n0, bn), pl.ds(k0, bk)]
+                w3t = _weight_tile(w3_refs, grp, n0, k0, bn, bk, xt.dtype)
                 new.append(accs[1] + jax.lax.dot_general(xt, w3t, dims, preferred_element_type=F32))
             return tuple(new)
 
@@ -171,21 +191,30 @@ def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused
         pltr.store(out_block, jnp.zeros((bm, bn), o_ref.dtype), mask=store_mask)
 
 
-def _check(x, ws, group_sizes, cfg: TileConfig):
+def _check(x, ws, group_sizes, cfg: TileConfig) -> bool:
+    """Validate shapes and tiles; True when the weights are MXFP4-packed."""
     m, k = x.shape
-    for w in ws:
-        if w.ndim != 3 or w.shape[2] != k or w.shape[0] != group_sizes.shape[0] or w.shape != ws[0].shape:
-            raise ValueError(f"weights must be [E, N, {k}] with E={group_sizes.shape[0]}; got {w.shape}")
+    mxfp4 = isinstance(ws[0], MXFP4Experts)
+    for name, w in zip(("w1", "w3"), ws):
+        if isinstance(w, MXFP4Experts) != mxfp4:
+            raise ValueError(f"{name}: gate and up weights must both be MXFP4Experts or both arrays")
+        if len(w.shape) != 3 or w.shape[2] != k or w.shape[0] != group_sizes.shape[0] or w.shape != ws[0].shape:
+            raise ValueError(f"{name} must be [E, N, {k}] with E={group_sizes.shape[0]} (decoded shape); got {w.shape}")
+        if mxfp4 and w.scale.shape != (*w.shape[:2], k // BLOCK):
+            raise ValueError(f"{name}: MXFP4 scale must be {(*w.shape[:2], k // BLOCK)}, got {w.scale.shape}")
     n = ws[0].shape[1]
     if k % cfg.block_k or n % cfg.block_n:
         raise ValueError(f"K={k} and N={n} must be multiples of block_k={cfg.block_k} / block_n={cfg.block_n}")
+    if mxfp4 and cfg.block_k % BLOCK:
+        raise ValueError(f"block_k={cfg.block_k}: MXFP4 weights need a multiple of {BLOCK} (one scale per {BLOCK})")
     if m == 0:
         raise ValueError("x has no rows")
+    return mxfp4
 
 
 def _grouped_call(x, ws, group_sizes, *, cfg: TileConfig, fused: bool, beta, linear_beta, out_dtype,
                   interpret: bool, approx: bool = False):
-    _check(x, ws, group_sizes, cfg)
+    mxfp4 = _check(x, ws, group_sizes, cfg)
     m0, _ = x.shape
     n = ws[0].shape[1]
     if m0 < cfg.block_m:  # tiny inputs: pad rows so a full row tile is always in bounds
@@ -194,21 +223,23 @@ def _grouped_call(x, ws, group_sizes, *, cfg: TileConfig, fused: bool, beta, lin
     num_n_blocks = n // cfg.block_n
     meta = _schedule(group_sizes, m, cfg.block_m, num_n_blocks)
     kernel = functools.partial(_kernel, num_rows=m, num_groups=group_sizes.shape[0], cfg=cfg, fused=fused,
-                               beta=beta, linear_beta=linear_beta, approx=approx and not interpret)
+                               mxfp4=mxfp4, beta=beta, linear_beta=linear_beta, approx=approx and not interpret)
+    operands = [a for w in ws for a in ((w.packed, w.scale) if mxfp4 else (w,))]
+    name = "k3_moe_gate_up_situ" if fused else "k3_moe_grouped_matmul"
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(meta.shape[0],),
         compiler_params=pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name="k3_moe_gate_up_situ" if fused else "k3_moe_grouped_matmul",
-    )(meta, x, *ws)
+        name=name + ("_mxfp4" if mxfp4 else ""),
+    )(meta, x, *operands)
     return out[:m0]
 
 
 @functools.partial(jax.jit, static_argnames=("beta", "linear_beta", "cfg", "out_dtype", "interpret", "approx_situ"))
 def grouped_gate_up_situ(
-    x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array, *, beta: float = 4.0,
+    x: jax.Array, w1: Weight, w3: Weight, group_sizes: jax.Array, *, beta: float = 4.0,
     linear_beta: float | None = 25.0, cfg: TileConfig | None = None, out_dtype=None, interpret: bool = False,
     approx_situ: bool = True,
 ) -> jax.Array:
@@ -226,7 +257,7 @@ def grouped_gate_up_situ(
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret"))
 def grouped_matmul(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, cfg: TileConfig | None = None, out_dtype=None,
+    x: jax.Array, w: Weight, group_sizes: jax.Array, *, cfg: TileConfig | None = None, out_dtype=None,
     interpret: bool = False,
 ) -> jax.Array:
     """x @ w_e^T for rows grouped by expert (fp32 accumulation). x [M, K]; w [E, N, K] -> [M, N]."""

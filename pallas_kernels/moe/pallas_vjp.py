@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from pallas_kernels.moe.pallas_grouped_gemm import (
     TileConfig, grouped_gate_up_situ, grouped_matmul, grouped_matmul_tn,
 )
+from pallas_kernels.moe.reference import MXFP4Experts, decode_experts
 
 F32 = jnp.float32
 
@@ -68,10 +69,11 @@ def _ragged_rows_outer(a: jax.Array, b: jax.Array, group_sizes: jax.Array) -> ja
     return jax.lax.ragged_dot_general(a, b, group_sizes, _RAGGED_CONTRACT_ROWS, preferred_element_type=F32)
 
 
-def _fit(cfg: TileConfig, k: int, n: int) -> TileConfig:
+def _fit(cfg: TileConfig, k: int, n: int, w: "jax.Array | MXFP4Experts | None" = None) -> TileConfig:
+    """cfg fitted to a GEMM with contraction K and output width N (against weight w, if packed)."""
     from pallas_kernels.moe.pallas_experts import fit_config  # noqa: PLC0415 (avoid an import cycle)
 
-    return fit_config(cfg, k, n)
+    return fit_config(cfg, k, n, k_multiple=32 if isinstance(w, MXFP4Experts) else 16)
 
 
 def _fit_tn(cfg: TileConfig, p: int, q: int) -> TileConfig:
@@ -83,8 +85,8 @@ def _fit_tn(cfg: TileConfig, p: int, q: int) -> TileConfig:
 def _forward(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate_up_cfg, down_cfg):
     hidden, d_in, d_out = w1.shape[1], rows.shape[1], w2.shape[1]
     h = grouped_gate_up_situ(rows, w1, w3, group_sizes, beta=beta, linear_beta=linear_beta,
-                             cfg=_fit(gate_up_cfg, d_in, hidden), interpret=interpret)
-    return grouped_matmul(h, w2, group_sizes, cfg=_fit(down_cfg, hidden, d_out), interpret=interpret)
+                             cfg=_fit(gate_up_cfg, d_in, hidden, w1), interpret=interpret)
+    return grouped_matmul(h, w2, group_sizes, cfg=_fit(down_cfg, hidden, d_out, w2), interpret=interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
@@ -93,6 +95,8 @@ def expert_mlp(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate
 
     rows [M, in]; w1, w3 [E, F, in]; w2 [E, out, F]; in, F, out multiples of 16. group_sizes [E] int32 (no
     gradient). bwd_cfg: tiles of the backward's grouped GEMMs (shrunk per GEMM to divide its widths).
+    Weights may be `MXFP4Experts` (decoded per tile inside the forward kernels); the backward decodes those
+    in XLA for dx and gives them no gradient (integer codes), skipping their weight-gradient GEMMs.
     """
     return _forward(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate_up_cfg, down_cfg)
 
@@ -104,12 +108,13 @@ def _expert_mlp_fwd(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret,
 
 
 def _expert_mlp_bwd(beta, linear_beta, interpret, gate_up_cfg, down_cfg, bwd_cfg, res, dy):
-    rows, w1, w2, w3, group_sizes = res
+    rows, *stored, group_sizes = res
+    w1, w2, w3 = (decode_experts(w, rows.dtype) for w in stored)
     hidden, d_in, d_out = w1.shape[1], rows.shape[1], w2.shape[1]
     gemm = functools.partial(grouped_matmul, group_sizes=group_sizes, out_dtype=F32, interpret=interpret)
     # recompute gate and up (fp32 accumulators, as the fused kernel's epilogue sees them)
-    g = gemm(rows, w1, cfg=_fit(bwd_cfg, d_in, hidden))
-    u = gemm(rows, w3, cfg=_fit(bwd_cfg, d_in, hidden))
+    g = gemm(rows, stored[0], cfg=_fit(bwd_cfg, d_in, hidden, stored[0]))  # packed: decoded per tile
+    u = gemm(rows, stored[2], cfg=_fit(bwd_cfg, d_in, hidden, stored[2]))
     h, dsdg, dsdu = situ_and_grads(g, u, beta, linear_beta)
     h = h.astype(rows.dtype)  # the forward's rounding of the hidden state (the down GEMM's operand)
     dy = dy.astype(rows.dtype)
@@ -118,10 +123,15 @@ def _expert_mlp_bwd(beta, linear_beta, interpret, gate_up_cfg, down_cfg, bwd_cfg
     w13_t = jnp.swapaxes(jnp.concatenate([w1, w3], axis=1), 1, 2)  # [E, in, 2F]
     dx = gemm(dgu, w13_t, cfg=_fit(bwd_cfg, 2 * hidden, d_in))
     tn = functools.partial(grouped_matmul_tn, group_sizes=group_sizes, out_dtype=F32, interpret=interpret)
-    dw2 = tn(dy, h, cfg=_fit_tn(bwd_cfg, d_out, hidden))  # [E, out, F]
-    dw13 = tn(dgu, rows, cfg=_fit_tn(bwd_cfg, 2 * hidden, d_in))  # [E, 2F, in]
-    dw1, dw3 = dw13[:, :hidden], dw13[:, hidden:]
-    return (dx.astype(rows.dtype), dw1.astype(w1.dtype), dw2.astype(w2.dtype), dw3.astype(w3.dtype), None)
+    packed = [isinstance(w, MXFP4Experts) for w in stored]  # no gradient for integer codes
+    dw1 = dw2 = dw3 = None
+    if not packed[1]:
+        dw2 = tn(dy, h, cfg=_fit_tn(bwd_cfg, d_out, hidden)).astype(w2.dtype)  # [E, out, F]
+    if not (packed[0] and packed[2]):
+        dw13 = tn(dgu, rows, cfg=_fit_tn(bwd_cfg, 2 * hidden, d_in))  # [E, 2F, in]
+        dw1 = None if packed[0] else dw13[:, :hidden].astype(w1.dtype)
+        dw3 = None if packed[2] else dw13[:, hidden:].astype(w3.dtype)
+    return (dx.astype(rows.dtype), dw1, dw2, dw3, None)
 
 
 expert_mlp.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)
