@@ -19,6 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -141,10 +142,14 @@ class ItemStore:
         os.rename(tmp, self.path(item))
 
     def restore(self, item: str) -> dict[str, np.ndarray]:
+        """Host arrays, whoever wrote the item: a sharded conversion saves jax.Arrays, which Orbax would
+        otherwise restore onto the writer's mesh (and cannot restore where those devices do not exist)."""
         path = self.path(item)
         if not path.is_dir():
             raise CheckpointError(f"{path}: item directory is missing")
-        return _flatten(self._checkpointer.restore(path))
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                                self._checkpointer.metadata(path).item_metadata.tree)
+        return _flatten(self._checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy)))
 
     def restore_sharded(self, item: str, abstract: dict[str, "jax.ShapeDtypeStruct"]) -> dict[str, "jax.Array"]:
         """Restore straight into each leaf's `.sharding` (a ShapeDtypeStruct per leaf name): every device
