@@ -85,6 +85,18 @@ def _run_generation(args: argparse.Namespace) -> int:
     return 0
 
 
+def _join_conversion_job() -> None:
+    """Before JAX starts: join a multi-process job if the environment describes one, and give a CPU-only
+    host 8 devices as `generate --mesh` does (JAX_NUM_CPU_DEVICES, when set, decides)."""
+    import os
+
+    from k3jax import distributed
+
+    if "JAX_NUM_CPU_DEVICES" not in os.environ:
+        _use_fake_cpu_devices()
+    distributed.initialize()
+
+
 def _run_convert(args: argparse.Namespace) -> int:
     """Plan (or convert); a bad release or output directory is a one-line error and exit status 1."""
     from k3jax.checkpoint import CheckpointError
@@ -96,9 +108,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         print("error: OUT_DIR is required unless --plan-only is given", file=sys.stderr)
         return 2
     if args.mesh is not None and not args.plan_only:
-        print("error: --mesh goes with --plan-only: a conversion is the same for every mesh (per-layer Orbax "
-              "items); pick the mesh when loading, k3jax.from_pretrained(OUT_DIR, mesh=...)", file=sys.stderr)
-        return 2
+        _join_conversion_job()
     try:
         if args.plan_only:
             planned = plan_conversion(args.hf_dir, dtype=args.dtype, experts=args.experts)
@@ -114,8 +124,8 @@ def _run_convert(args: argparse.Namespace) -> int:
                 print(format_device_bytes(report))
             return 0
         result = convert(args.hf_dir, args.out_dir, dtype=args.dtype, experts=args.experts, resume=args.resume,
-                         verify=args.verify, progress=not args.quiet)
-    except (CheckpointError, ConfigError, OSError) as err:
+                         verify=args.verify, progress=not args.quiet, mesh=args.mesh)
+    except (CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     if not args.quiet:
@@ -194,7 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "decoded on the fly by the model; the default for MXFP4 releases), bf16 decodes them "
                            "to bfloat16 whatever --dtype (exact)")
     conv.add_argument("--mesh", metavar="SPEC", default=None,
-                      help="with --plan-only: also report per-device parameter bytes on this mesh, "
+                      help="convert on this mesh, each process reading and writing only its devices' slices "
+                           "(same output); with --plan-only: report per-device parameter bytes on it, "
                            "e.g. expert=64,tensor=8 (needs no devices)")
     conv.add_argument("--resume", action="store_true", help="continue an interrupted conversion in OUT_DIR")
     conv.add_argument("--verify", action="store_true",

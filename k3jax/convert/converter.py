@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex
@@ -79,9 +80,17 @@ def plan_conversion(hf_dir: str | Path, *, dtype: str = "bfloat16", experts: str
 
 def convert(
     hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16", experts: str | None = None,
-    resume: bool = False, verify: bool = False, progress: bool = True,
+    resume: bool = False, verify: bool = False, progress: bool = True, mesh: str | Mesh | None = None,
 ) -> ConvertResult:
-    """Convert `hf_dir` into `out_dir`; with `resume`, continue an interrupted conversion there."""
+    """Convert `hf_dir` into `out_dir`; with `resume`, continue an interrupted conversion there.
+
+    With `mesh` ("expert=8" or a Mesh, over every process's devices) each process reads and writes
+    only its devices' slices (`sharded`); the output is the same."""
+    if mesh is not None:
+        from k3jax.convert.sharded import convert_sharded  # noqa: PLC0415 (it builds on this module)
+
+        return convert_sharded(hf_dir, out_dir, mesh=mesh, dtype=dtype, experts=experts, resume=resume,
+                               verify=verify, progress=progress)
     start = time.perf_counter()
     planned = plan_conversion(hf_dir, dtype=dtype, experts=experts)
     root = Path(out_dir)
