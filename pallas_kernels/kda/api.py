@@ -3,8 +3,9 @@
 Conventions follow fla's ``chunk_kda`` with a pre-activated gate (see ``reference.py``).
 ``implementation="pallas"`` runs the safe-gate Pallas kernel (``pallas_kda.py``; Triton lowering
 on GPU, interpret mode on CPU); it needs ``lower_bound`` in [-5, 0), the caller's promise that
-every ``g >= lower_bound`` (K3's gate), and no ``cu_seqlens``. ``"auto"`` picks it only on GPU
-when those hold (verified on an H200, 2026-11-29) and the XLA reference everywhere else.
+every ``g >= lower_bound`` (K3's gate); packed ``cu_seqlens`` are supported. ``"auto"`` picks it
+only on GPU when those hold (verified on an H200, 2026-11-29, before packed sequences were added:
+``benchmarks/kda_varlen_h200.py`` checks those) and the XLA reference elsewhere.
 """
 
 from __future__ import annotations
@@ -54,26 +55,40 @@ def _pallas_op(
     initial_state: jax.Array | None,
     cu_seqlens: object | None,
 ) -> tuple[jax.Array, jax.Array]:
-    del cu_seqlens  # rejected in _select
+    offsets = None  # a hashable tuple: it is a non-differentiable argument of the custom VJP
+    if cu_seqlens is not None:
+        offsets = tuple(int(o) for o in host_offsets(cu_seqlens, q.shape[1]))
+    n_states = q.shape[0] if offsets is None else len(offsets) - 1
     if initial_state is None:
-        initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return _pallas_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale)
+        initial_state = jnp.zeros((n_states, q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+    return _pallas_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale, offsets)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _pallas_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _pallas_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale, cu_seqlens):
     """The Pallas forward, differentiable: gradients for q, k, v, g, beta and the initial state
-    from the analytic Pallas backward (``pallas_kda_bwd.py``, recomputing from the inputs)."""
-    return pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    from the analytic Pallas backward (``pallas_kda_bwd.py``, recomputing from the inputs); packed
+    sequences still take the VJP of the exact chunked reference."""
+    return pallas_chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
+    )
 
 
-def _pallas_kda_fwd(q, k, v, g, beta, initial_state, scale):
-    out = pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+def _pallas_kda_fwd(q, k, v, g, beta, initial_state, scale, cu_seqlens):
+    out = pallas_chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
+    )
     return out, (q, k, v, g, beta, initial_state)
 
 
-def _pallas_kda_bwd(scale, inputs, cotangents):
-    return pallas_chunk_kda_bwd(*inputs, *cotangents, scale=scale)
+def _pallas_kda_bwd(scale, cu_seqlens, inputs, cotangents):
+    if cu_seqlens is None:
+        return pallas_chunk_kda_bwd(*inputs, *cotangents, scale=scale)
+    reference = lambda q, k, v, g, beta, s0: chunked_kda(  # noqa: E731
+        q, k, v, g, beta, scale=scale, initial_state=s0, cu_seqlens=cu_seqlens
+    )
+    _, vjp = jax.vjp(reference, *inputs)
+    return vjp(cotangents)
 
 
 _pallas_kda_with_reference_vjp.defvjp(_pallas_kda_fwd, _pallas_kda_bwd)
@@ -84,9 +99,9 @@ def _safe_gate(lower_bound: float | None) -> bool:
 
 
 def _select(
-    implementation: str, lower_bound: float | None = None, varlen: bool = False
+    implementation: str, lower_bound: float | None = None
 ) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """Pick the operator: Pallas needs the safe gate, no varlen and (for "auto") a GPU."""
+    """Pick the operator: Pallas needs the safe gate and (for "auto") a GPU."""
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(
             f"implementation: expected one of {_IMPLEMENTATIONS}, got {implementation!r}"
@@ -104,12 +119,8 @@ def _select(
                 "lower_bound in [-5, 0) (the safe gate: every g >= lower_bound) or use 'xla' / "
                 f"'auto' (got lower_bound={lower_bound!r})."
             )
-        if varlen:
-            raise NotImplementedError(
-                "implementation='pallas' does not support cu_seqlens yet; use 'xla' or 'auto'."
-            )
         return _pallas_op
-    if implementation == "auto" and backend == "gpu" and _safe_gate(lower_bound) and not varlen:
+    if implementation == "auto" and backend == "gpu" and _safe_gate(lower_bound):
         return _pallas_op
     return chunked_kda
 
@@ -154,7 +165,7 @@ def chunk_kda(
     if initial_state is not None:
         layout = "[B, H, K, V]" if cu_seqlens is None else "[N, H, K, V], N = len(cu_seqlens) - 1"
         _expect_state("initial_state", initial_state, (n_states, H, K, V), layout)
-    op = _select(implementation, lower_bound, varlen=cu_seqlens is not None)
+    op = _select(implementation, lower_bound)
     o, state = op(
         q,
         k,

@@ -25,6 +25,14 @@ Two kernels (both ``pl.pallas_call``):
    fp32 state ``S [K, BV]`` on chip: ``v_new = U - W S``, ``o = Qg S + Aqk v_new``,
    ``S = gl * S + Kd^T v_new``. Output and final state written directly (no per-chunk states).
 
+Packed sequences (``cu_seqlens``): the inputs are gathered into a chunk-aligned layout
+(``varlen_layout.py``: each sequence padded to whole chunks, at most ``N * (C - 1)`` extra
+tokens, where a padded ``[N, max_len]`` batch can cost up to ``N`` times the tokens), the intra
+kernel runs on it unchanged, and the inter kernel's grid becomes ``(N, H, V / BV)``: each program
+loops over its own sequence's chunk range (int32 chunk offsets read in the kernel) from that
+sequence's initial state, so the sequences run in parallel and no state crosses a boundary. The
+price is one gather of the inputs and one of the output.
+
 Splitting the intra-chunk work out of the sequential loop keeps the serial critical path to
 four matmuls per chunk, which matters when ``B * H`` is small (B=1, H=16 has only 16-64
 programs for 132 SMs); the price is one HBM round trip of W, U, Qg, Kd, Aqk (in the input
@@ -59,6 +67,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.reference import host_offsets
+from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
 try:  # Triton compiler params (GPU only); interpret mode ignores them.
     from jax.experimental.pallas import triton as pl_triton
@@ -287,10 +298,16 @@ def _intra_kernel_lean(
         u_ref[b, ts, h, :] = u.astype(u_ref.dtype)
 
 
-def _inter_kernel(
-    w_ref, u_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o_ref, ht_ref, *, n_chunks, bv, mm_dtype
-):
-    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _inter_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
+    """Program (s, h, iv) runs the chunks of sequence s. Batched: row s, chunks 0..n_chunks.
+    ``varlen``: one packed chunk-aligned row; the leading int32 ref holds chunk offsets [N + 1], so
+    sequence s starts from its own initial state and never sees another sequence's chunks."""
+    if varlen:
+        cu_ref, w_ref, u_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o_ref, ht_ref = refs
+    else:
+        w_ref, u_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o_ref, ht_ref = refs
+    s, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, c_begin, c_end = (0, cu_ref[s], cu_ref[s + 1]) if varlen else (s, 0, n_chunks)
     vs = pl.ds(iv * bv, bv)
 
     def body(c, S):
@@ -306,8 +323,8 @@ def _inter_kernel(
         o_ref[b, ts, h, vs] = o.astype(o_ref.dtype)
         return gl[:, None] * S + _dot(kd, v_new, mm_dtype, trans_a=True)
 
-    S = lax.fori_loop(0, n_chunks, body, h0_ref[b, h, :, vs])
-    ht_ref[b, h, :, vs] = S
+    S = lax.fori_loop(c_begin, c_end, body, h0_ref[s, h, :, vs])
+    ht_ref[s, h, :, vs] = S
 
 
 def _is_pow2(n: int) -> bool:
@@ -322,9 +339,10 @@ def _is_pow2(n: int) -> bool:
     ),
 )
 def _pallas_chunk_kda(
-    q, k, v, g, beta, initial_state, gate_scale, dt_bias, *, scale, interpret, fused,
-    lower_bound, block_v, num_warps, num_stages, intra,
+    q, k, v, g, beta, initial_state, gate_scale, dt_bias, chunk_offsets=None, *, scale,
+    interpret, fused, lower_bound, block_v, num_warps, num_stages, intra,
 ):
+    """``chunk_offsets`` (int32 [N + 1], traced) marks a chunk-aligned packed batch (B == 1)."""
     B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
     V = v.shape[-1]
     n = Tp // C
@@ -358,18 +376,22 @@ def _pallas_chunk_kda(
         **params,
     )(*ins)
 
-    inter = functools.partial(_inter_kernel, n_chunks=n, bv=bv, mm_dtype=mm_dtype)
+    varlen = chunk_offsets is not None
+    n_seq = initial_state.shape[0]
+    inter = functools.partial(
+        _inter_kernel, n_chunks=n, bv=bv, mm_dtype=mm_dtype, varlen=varlen
+    )
     o, ht = pl.pallas_call(
         inter,
-        grid=(B, H, V // bv),
+        grid=(n_seq, H, V // bv),
         out_shape=(
             jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype),
-            jax.ShapeDtypeStruct((B, H, K, V), _F32),
+            jax.ShapeDtypeStruct((n_seq, H, K, V), _F32),
         ),
         interpret=interpret,
-        name="kda_inter_state",
+        name="kda_inter_state_varlen" if varlen else "kda_inter_state",
         **params,
-    )(w, u, qg, kd, aqk, gl, initial_state)
+    )(*((chunk_offsets,) if varlen else ()), w, u, qg, kd, aqk, gl, initial_state)
     return o, ht
 
 
@@ -386,6 +408,7 @@ def pallas_chunk_kda(
     *,
     scale: float | None = None,
     initial_state: jax.Array | None = None,
+    cu_seqlens: object | None = None,
     interpret: bool | None = None,
     block_v: int = 128,
     num_warps: int = 8,
@@ -397,9 +420,11 @@ def pallas_chunk_kda(
     q, k [B, T, H, K] L2-normalised; v [B, T, H, V]; g [B, T, H, K] log-decay in [-5, 0];
     beta [B, T, H]; initial_state fp32 [B, H, K, V] or None. Returns ``(o in v.dtype,
     final state fp32 [B, H, K, V])``. ``interpret`` defaults to True off GPU.
+    ``cu_seqlens``: host int offsets [N + 1] of packed sequences (B == 1); then initial_state
+    and the final state are [N, H, K, V] and no state crosses a sequence boundary.
     """
     return _call(q, k, v, g, beta, None, None, scale, initial_state, interpret, False, 0.0,
-                 block_v, num_warps, num_stages, intra)
+                 block_v, num_warps, num_stages, intra, cu_seqlens)
 
 
 def pallas_chunk_kda_fused_gate(
@@ -414,6 +439,7 @@ def pallas_chunk_kda_fused_gate(
     lower_bound: float = -5.0,
     scale: float | None = None,
     initial_state: jax.Array | None = None,
+    cu_seqlens: object | None = None,
     interpret: bool | None = None,
     block_v: int = 128,
     num_warps: int = 8,
@@ -435,11 +461,11 @@ def pallas_chunk_kda_fused_gate(
     gate_scale = jnp.broadcast_to(jnp.exp(A_log.reshape(-1)[:H].astype(_F32))[:, None], (H, K))
     dt = dt_bias.astype(_F32).reshape(H, K)
     return _call(q, k, v, g_raw, beta_logits, gate_scale, dt, scale, initial_state, interpret,
-                 True, float(lower_bound), block_v, num_warps, num_stages, intra)
+                 True, float(lower_bound), block_v, num_warps, num_stages, intra, cu_seqlens)
 
 
 def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret, fused,
-          lower_bound, block_v, num_warps, num_stages, intra):
+          lower_bound, block_v, num_warps, num_stages, intra, cu_seqlens):
     B, T, H, K = q.shape
     V = v.shape[-1]
     if interpret is None:
@@ -454,26 +480,57 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         raise ValueError(f"intra: expected 'v1' or 'lean', got {intra!r}")
     if not _is_pow2(block_v) or block_v < 16:
         raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
+    scale = K**-0.5 if scale is None else float(scale)
+    # Padding steps are identities: k = v = 0, beta = 0 and g = 0; with the fused activations the
+    # gate and beta pre-activations are padded with -inf (sigmoid(-inf) = 0). Padding happens
+    # outside the jit so that every T with the same chunk count shares a compile.
+    neg = -jnp.inf if fused else 0.0
+    kw = dict(
+        scale=scale, interpret=bool(interpret), fused=fused, lower_bound=lower_bound,
+        block_v=block_v if V % block_v == 0 else V, num_warps=num_warps, num_stages=num_stages,
+        intra=intra,
+    )
+    if cu_seqlens is not None:
+        return _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens,
+                            neg, kw)
     if initial_state is None:
         initial_state = jnp.zeros((B, H, K, V), _F32)
-    scale = K**-0.5 if scale is None else float(scale)
     Tp = -(-T // C) * C
     if Tp != T:
-        # Identity steps: k = v = 0, beta = 0 and g = 0; with the fused activations the
-        # gate and beta pre-activations are padded with -inf (sigmoid(-inf) = 0). Padding
-        # happens outside the jit so that every T with the same chunk count shares a compile.
-        neg = -jnp.inf if fused else 0.0
         pad = lambda x, c=0.0: jnp.pad(
             x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2), constant_values=c
         )
         q, k, v, g, beta = pad(q), pad(k), pad(v), pad(g, neg), pad(beta, neg)
     o, ht = _pallas_chunk_kda(
-        q, k, v, g, beta, initial_state.astype(_F32), gate_scale, dt_bias, scale=scale,
-        interpret=bool(interpret), fused=fused, lower_bound=lower_bound,
-        block_v=block_v if V % block_v == 0 else V, num_warps=num_warps, num_stages=num_stages,
-        intra=intra,
+        q, k, v, g, beta, initial_state.astype(_F32), gate_scale, dt_bias, **kw
     )
     return (o if Tp == T else o[:, :T]), ht
+
+
+def _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens, neg, kw):
+    """Packed sequences: run on the chunk-aligned layout (``varlen_layout.py``), in which each
+    sequence starts on a chunk boundary, so the intra kernel runs unchanged and the inter kernel
+    loops over one sequence's chunk range per program."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if B != 1:
+        raise ValueError(f"cu_seqlens: packed sequences need B == 1, got q shape {q.shape}")
+    layout = chunk_layout(host_offsets(cu_seqlens, T), C)
+    n_seq = layout.chunk_offsets.size - 1
+    if initial_state is None:
+        initial_state = jnp.zeros((n_seq, H, K, V), _F32)
+    if tuple(initial_state.shape) != (n_seq, H, K, V):
+        raise ValueError(
+            f"initial_state: expected shape {(n_seq, H, K, V)} [N, H, K, V] with N = "
+            f"len(cu_seqlens) - 1, got {tuple(initial_state.shape)}"
+        )
+    q, k, v = (to_aligned(x, layout) for x in (q, k, v))
+    g, beta = to_aligned(g, layout, neg), to_aligned(beta, layout, neg)
+    o, ht = _pallas_chunk_kda(
+        q, k, v, g, beta, initial_state.astype(_F32), gate_scale, dt_bias,
+        jnp.asarray(layout.chunk_offsets), **kw
+    )
+    return from_aligned(o, layout), ht
 
 
 __all__ = ["LOWER_BOUND_MIN", "pallas_chunk_kda", "pallas_chunk_kda_fused_gate"]

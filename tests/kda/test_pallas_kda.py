@@ -121,12 +121,9 @@ def test_api_dispatch() -> None:
         chunk_kda(*args, implementation="pallas")
     with pytest.raises(NotImplementedError, match="unbounded gate"):
         chunk_kda(*args, implementation="pallas", lower_bound=-6.0)
-    one = [a[:1] for a in args]
-    with pytest.raises(NotImplementedError, match="cu_seqlens"):
-        chunk_kda(*one, implementation="pallas", lower_bound=LB, cu_seqlens=np.array([0, 30, 65]))
-    # "auto" keeps the XLA reference off GPU (and for varlen everywhere).
-    auto = chunk_kda(*one, lower_bound=LB, cu_seqlens=np.array([0, 30, 65]))[0]
-    assert auto.shape == (1, 65, H, V)
+    # "auto" keeps the XLA reference off GPU (packed sequences: tests/kda/test_pallas_kda_varlen.py).
+    auto = chunk_kda(*args, lower_bound=LB)[0]
+    assert auto.shape == (B, 65, H, V)
 
 
 def test_gpu_path_validates_shapes() -> None:
