@@ -43,6 +43,14 @@ def _iota(shape: tuple[int, int], axis: int) -> jax.Array:
     return lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
+def _block_of(idx: jax.Array) -> jax.Array:
+    """Sub-chunk of each row/column index (sums of comparisons: no integer division in-kernel)."""
+    out = jnp.zeros_like(idx)
+    for i in range(1, NC):
+        out = out + (idx >= i * BC).astype(idx.dtype)
+    return out
+
+
 def _row(x: jax.Array, r: int) -> jax.Array:
     """Row ``r`` of a 2-D array as ``[1, n]`` (a masked sum: Triton cannot index registers)."""
     return jnp.sum(jnp.where(_iota(x.shape, 0) == r, x, 0.0), axis=0)[None, :]
@@ -57,7 +65,7 @@ def causal_masks() -> tuple[jax.Array, jax.Array]:
 def decay_factors(G: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
     """``exp(G_r - G_m(r))`` [C, K] and, per sub-chunk I, ``exp(min(G_m(I) - G_i, 40))`` [C, K]."""
     mids = [_row(G, i * BC + MID) for i in range(NC)]
-    block = _iota(G.shape, 0) // BC
+    block = _block_of(_iota(G.shape, 0))
     g_mid = mids[0]
     for i in range(1, NC):
         g_mid = jnp.where(block == i, mids[i], g_mid)
@@ -65,7 +73,7 @@ def decay_factors(G: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
 
 
 def _row_block(M: jax.Array, i: int) -> jax.Array:
-    return jnp.where(_iota(M.shape, 0) // BC == i, M, 0.0)
+    return jnp.where(_block_of(_iota(M.shape, 0)) == i, M, 0.0)
 
 
 def pair_scores(x, y, row_fac, col_facs, mm_dtype) -> jax.Array:
@@ -107,7 +115,7 @@ def unit_lower_inverse(L: jax.Array) -> jax.Array:
     """
     ri, ci = _iota((C, C), 0), _iota((C, C), 1)
     eye = (ri == ci).astype(_F32)
-    diag = ri // BC == ci // BC
+    diag = _block_of(ri) == _block_of(ci)
     D = jnp.where(diag, L, 0.0)
     mm = lambda a, b: dot(a, b, _F32)  # noqa: E731
     D2 = mm(D, D)

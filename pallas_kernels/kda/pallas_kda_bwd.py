@@ -104,53 +104,90 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref
     db_ref[b, ts, h] = dbeta.astype(db_ref.dtype)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "interpret", "block_v", "num_warps", "num_stages")
-)
-def _bwd(q, k, v, g, beta, h0, do, dht, *, scale, interpret, block_v, num_warps, num_stages):
-    B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
-    V = v.shape[-1]
-    n = Tp // C
-    mm_dtype = _F32 if v.dtype == _F32 else jnp.bfloat16
-    sd = _F32 if mm_dtype == _F32 else v.dtype
-    bv = block_v
-    params = {}
-    if not interpret and pl_triton is not None:
-        params = dict(compiler_params=pl_triton.CompilerParams(
-            num_warps=num_warps, num_stages=num_stages))
-    sds = jax.ShapeDtypeStruct
+def _params(interpret: bool, num_warps: int, num_stages: int) -> dict:
+    if interpret or pl_triton is None:
+        return {}
+    return dict(compiler_params=pl_triton.CompilerParams(num_warps=num_warps,
+                                                         num_stages=num_stages))
 
-    A, W, U, aqk, qg, kd, gl = pl.pallas_call(
+
+def _dtypes(v: jax.Array):
+    """(matmul operand dtype, stored-intermediate dtype)."""
+    return (_F32, _F32) if v.dtype == _F32 else (jnp.bfloat16, v.dtype)
+
+
+_TUNING = ("interpret", "num_warps", "num_stages")
+
+
+@functools.partial(jax.jit, static_argnames=("scale",) + _TUNING)
+def stage_parts(q, k, v, g, beta, *, scale, interpret, num_warps, num_stages):
+    """Pass 1: ``(A, W, U, Aqk, Qg, Kd, gl)`` of every chunk."""
+    B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
+    V, n = v.shape[-1], Tp // C
+    mm_dtype, sd = _dtypes(v)
+    sds = jax.ShapeDtypeStruct
+    return pl.pallas_call(
         functools.partial(_parts_kernel, scale=scale, mm_dtype=mm_dtype),
         grid=(B, H, n),
         out_shape=(sds((B, Tp, H, C), sd), sds((B, Tp, H, K), sd), sds((B, Tp, H, V), sd),
                    sds((B, Tp, H, C), sd), sds((B, Tp, H, K), sd), sds((B, Tp, H, K), sd),
                    sds((B, n, H, K), _F32)),
-        interpret=interpret, name="kda_bwd_parts", **params,
+        interpret=interpret, name="kda_bwd_parts", **_params(interpret, num_warps, num_stages),
     )(q, k, v, g, beta)
 
-    hs = pl.pallas_call(
-        functools.partial(_states_kernel, n_chunks=n, bv=bv, mm_dtype=mm_dtype),
-        grid=(B, H, V // bv),
-        out_shape=sds((B, n, H, K, V), sd),
-        interpret=interpret, name="kda_bwd_states", **params,
+
+@functools.partial(jax.jit, static_argnames=("block_v",) + _TUNING)
+def stage_states(W, U, kd, gl, h0, *, block_v, interpret, num_warps, num_stages):
+    """Pass 2a: every chunk's input state ``[B, N, H, K, V]``."""
+    B, Tp, H, K = W.shape
+    V, n = U.shape[-1], Tp // C
+    mm_dtype, sd = _dtypes(U)
+    return pl.pallas_call(
+        functools.partial(_states_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype),
+        grid=(B, H, V // block_v),
+        out_shape=jax.ShapeDtypeStruct((B, n, H, K, V), sd),
+        interpret=interpret, name="kda_bwd_states", **_params(interpret, num_warps, num_stages),
     )(W, U, kd, gl, h0)
 
-    dhs, dvn, ds0 = pl.pallas_call(
-        functools.partial(_dstates_kernel, n_chunks=n, bv=bv, mm_dtype=mm_dtype),
-        grid=(B, H, V // bv),
+
+@functools.partial(jax.jit, static_argnames=("block_v",) + _TUNING)
+def stage_dstates(qg, W, aqk, kd, gl, do, dht, *, block_v, interpret, num_warps, num_stages):
+    """Pass 2b: ``(dh [B, N, H, K, V], dv_new [B, Tp, H, V], d initial_state)``."""
+    B, Tp, H, K = W.shape
+    V, n = do.shape[-1], Tp // C
+    mm_dtype, sd = _dtypes(do)
+    sds = jax.ShapeDtypeStruct
+    return pl.pallas_call(
+        functools.partial(_dstates_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype),
+        grid=(B, H, V // block_v),
         out_shape=(sds((B, n, H, K, V), sd), sds((B, Tp, H, V), sd), sds((B, H, K, V), _F32)),
-        interpret=interpret, name="kda_bwd_dstates", **params,
+        interpret=interpret, name="kda_bwd_dstates", **_params(interpret, num_warps, num_stages),
     )(qg, W, aqk, kd, gl, do, dht)
 
-    dq, dk, dv, dg, db = pl.pallas_call(
+
+@functools.partial(jax.jit, static_argnames=("scale",) + _TUNING)
+def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, interpret, num_warps,
+                num_stages):
+    """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes."""
+    B, Tp, H, _ = q.shape
+    mm_dtype, _ = _dtypes(v)
+    sds = jax.ShapeDtypeStruct
+    return pl.pallas_call(
         functools.partial(_grads_kernel, scale=scale, mm_dtype=mm_dtype),
-        grid=(B, H, n),
+        grid=(B, H, Tp // C),
         out_shape=(sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(v.shape, v.dtype),
                    sds(g.shape, g.dtype), sds(beta.shape, beta.dtype)),
-        interpret=interpret, name="kda_bwd_grads", **params,
+        interpret=interpret, name="kda_bwd_grads", **_params(interpret, num_warps, num_stages),
     )(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn)
-    return dq, dk, dv, dg, db, ds0
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_v") + _TUNING)
+def _bwd(q, k, v, g, beta, h0, do, dht, *, scale, block_v, **tuning):
+    A, W, U, aqk, qg, kd, gl = stage_parts(q, k, v, g, beta, scale=scale, **tuning)
+    hs = stage_states(W, U, kd, gl, h0, block_v=block_v, **tuning)
+    dhs, dvn, ds0 = stage_dstates(qg, W, aqk, kd, gl, do, dht, block_v=block_v, **tuning)
+    grads = stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, scale=scale, **tuning)
+    return (*grads, ds0)
 
 
 def pallas_chunk_kda_bwd(
