@@ -84,6 +84,7 @@ NC = C // BC
 MID = 8  # midpoint row of a sub-chunk
 LOWER_BOUND_MIN = -5.0
 _CLAMP = 40.0  # column-factor exponent clamp; needed values are < 35 when g >= -5
+INTRA_VARIANTS = ("v1", "lean", "split")
 
 
 def _dot(a, b, mm_dtype, *, trans_a=False, trans_b=False):
@@ -298,6 +299,97 @@ def _intra_kernel_lean(
         u_ref[b, ts, h, :] = u.astype(u_ref.dtype)
 
 
+def _intra_solve_kernel(
+    q_ref, k_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, lower_bound,
+):
+    """First half of ``intra="split"``: everything of ``_intra_kernel_lean`` except W and U.
+
+    Writes ``X = (I + L)^{-1}`` (its 16x16 blocks, zeros above the diagonal) and
+    ``bk = beta k e^G`` instead of multiplying them here, so v and the W/U accumulators never
+    share registers with the sub-chunk lists; ``_intra_wu_kernel`` then forms W and U as two
+    whole-chunk [C, C] x [C, *] products. Same roundings as "v1": X and bk are exactly the
+    operands its W/U dots cast to ``mm_dtype``.
+    """
+    if fused:
+        gs_ref, db_ref, x_ref, bk_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
+    else:
+        x_ref, bk_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if fused:
+        gate_scale = gs_ref[h, :].astype(_F32)[None, :]
+        dt_bias = db_ref[h, :].astype(_F32)[None, :]
+    K = q_ref.shape[-1]
+    t0 = c * C
+    sd = qg_ref.dtype
+    rows = lax.broadcasted_iota(jnp.int32, (BC, K), 0)
+    ri = lax.broadcasted_iota(jnp.int32, (BC, BC), 0)
+    ci = lax.broadcasted_iota(jnp.int32, (BC, BC), 1)
+    eye = (ri == ci).astype(_F32)
+    zeros = jnp.zeros((BC, BC), a_ref.dtype)
+
+    def gate(g):
+        g = g.astype(_F32)
+        return lower_bound * jax.nn.sigmoid(gate_scale * (g + dt_bias)) if fused else g
+
+    def l2(x):
+        x = x.astype(_F32)
+        return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6) if fused else x
+
+    G_last = jnp.sum(gate(g_ref[b, pl.ds(t0, C), h, :]), axis=0)
+    gl_ref[b, c, h, :] = jnp.exp(G_last)
+
+    ks, Gs, betas, L = [], [], [], {}
+    carry = jnp.zeros((K,), _F32)
+    for i in range(NC):
+        ts = pl.ds(t0 + i * BC, BC)
+        k = l2(k_ref[b, ts, h, :])
+        G = jnp.cumsum(gate(g_ref[b, ts, h, :]), axis=0) + carry[None, :]
+        carry = jnp.sum(jnp.where(rows == BC - 1, G, 0.0), axis=0)
+        beta = b_ref[b, ts, h].astype(_F32)
+        beta = jax.nn.sigmoid(beta) if fused else beta
+        qs = l2(q_ref[b, ts, h, :]) * scale
+        qg_ref[b, ts, h, :] = (qs * jnp.exp(G)).astype(sd)
+        kd_ref[b, ts, h, :] = (k * jnp.exp(G_last[None, :] - G)).astype(sd)
+        bk_ref[b, ts, h, :] = (beta[:, None] * k * jnp.exp(G)).astype(sd)
+        ks.append(k)
+        Gs.append(G)
+        G_m = jnp.sum(jnp.where(rows == MID, G, 0.0), axis=0)[None, :]
+        row_fac = jnp.exp(G - G_m)
+        kl = k * row_fac
+        ql = qs * row_fac
+        for j in range(NC):
+            if j > i:
+                a_ref[b, ts, h, pl.ds(j * BC, BC)] = zeros
+                continue
+            kr = ks[j] * jnp.exp(jnp.minimum(G_m - Gs[j], _CLAMP))
+            lk = _dot(kl, kr, mm_dtype, trans_b=True) * beta[:, None]
+            aq = _dot(ql, kr, mm_dtype, trans_b=True)
+            if i == j:
+                lk = jnp.where(ri > ci, lk, 0.0)
+                aq = jnp.where(ri >= ci, aq, 0.0)
+            L[i, j] = lk
+            a_ref[b, ts, h, pl.ds(j * BC, BC)] = aq.astype(a_ref.dtype)
+
+    X = _unit_lower_inverse(L, eye)
+    for i in range(NC):
+        ts = pl.ds(t0 + i * BC, BC)
+        for j in range(NC):
+            blk = X[i, j].astype(x_ref.dtype) if j <= i else zeros
+            x_ref[b, ts, h, pl.ds(j * BC, BC)] = blk
+
+
+def _intra_wu_kernel(x_ref, bk_ref, v_ref, b_ref, w_ref, u_ref, *, mm_dtype, fused):
+    """Second half of ``intra="split"``: ``W = X bk`` and ``U = X (beta v)`` per whole chunk."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ts = pl.ds(c * C, C)
+    X = x_ref[b, ts, h, :]
+    w_ref[b, ts, h, :] = _dot(X, bk_ref[b, ts, h, :], mm_dtype).astype(w_ref.dtype)
+    beta = b_ref[b, ts, h].astype(_F32)
+    beta = jax.nn.sigmoid(beta) if fused else beta
+    bv = beta[:, None] * v_ref[b, ts, h, :].astype(_F32)
+    u_ref[b, ts, h, :] = _dot(X, bv, mm_dtype).astype(u_ref.dtype)
+
+
 def _inter_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
     """Program (s, h, iv) runs the chunks of sequence s. Batched: row s, chunks 0..n_chunks.
     ``varlen``: one packed chunk-aligned row; the leading int32 ref holds chunk offsets [N + 1], so
@@ -331,6 +423,42 @@ def _is_pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
 
+def _intra_split(ins, mm_dtype, sd, scale, fused, lower_bound, interpret, params):
+    """The intra stage as two kernels (``_intra_solve_kernel`` then ``_intra_wu_kernel``)."""
+    q, k, v, g, beta = ins[:5]
+    B, Tp, H, K = q.shape
+    V = v.shape[-1]
+    n = Tp // C
+    x, bk, qg, kd, aqk, gl = pl.pallas_call(
+        functools.partial(_intra_solve_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused,
+                          lower_bound=lower_bound),
+        grid=(B, H, n),
+        out_shape=(
+            jax.ShapeDtypeStruct((B, Tp, H, C), sd),
+            jax.ShapeDtypeStruct((B, Tp, H, K), sd),
+            jax.ShapeDtypeStruct((B, Tp, H, K), sd),
+            jax.ShapeDtypeStruct((B, Tp, H, K), sd),
+            jax.ShapeDtypeStruct((B, Tp, H, C), sd),
+            jax.ShapeDtypeStruct((B, n, H, K), _F32),
+        ),
+        interpret=interpret,
+        name="kda_intra_solve",
+        **params,
+    )(q, k, g, beta, *ins[5:])
+    w, u = pl.pallas_call(
+        functools.partial(_intra_wu_kernel, mm_dtype=mm_dtype, fused=fused),
+        grid=(B, H, n),
+        out_shape=(
+            jax.ShapeDtypeStruct((B, Tp, H, K), sd),
+            jax.ShapeDtypeStruct((B, Tp, H, V), sd),
+        ),
+        interpret=interpret,
+        name="kda_intra_wu",
+        **params,
+    )(x, bk, v, beta)
+    return w, u, qg, kd, aqk, gl
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -355,26 +483,30 @@ def _pallas_chunk_kda(
             num_warps=num_warps, num_stages=num_stages
         ))
 
-    kernel = {"v1": _intra_kernel, "lean": _intra_kernel_lean}[intra]
-    intra_fn = functools.partial(
-        kernel, scale=scale, mm_dtype=mm_dtype, fused=fused, lower_bound=lower_bound
-    )
     ins = (q, k, v, g, beta) + ((gate_scale, dt_bias) if fused else ())
-    w, u, qg, kd, aqk, gl = pl.pallas_call(
-        intra_fn,
-        grid=(B, H, n),
-        out_shape=(
-            jax.ShapeDtypeStruct((B, Tp, H, K), sd),
-            jax.ShapeDtypeStruct((B, Tp, H, V), sd),
-            jax.ShapeDtypeStruct((B, Tp, H, K), sd),
-            jax.ShapeDtypeStruct((B, Tp, H, K), sd),
-            jax.ShapeDtypeStruct((B, Tp, H, C), sd),
-            jax.ShapeDtypeStruct((B, n, H, K), _F32),
-        ),
-        interpret=interpret,
-        name="kda_intra_safe_gate",
-        **params,
-    )(*ins)
+    if intra == "split":
+        w, u, qg, kd, aqk, gl = _intra_split(ins, mm_dtype, sd, scale, fused, lower_bound,
+                                            interpret, params)
+    else:
+        kernel = {"v1": _intra_kernel, "lean": _intra_kernel_lean}[intra]
+        intra_fn = functools.partial(
+            kernel, scale=scale, mm_dtype=mm_dtype, fused=fused, lower_bound=lower_bound
+        )
+        w, u, qg, kd, aqk, gl = pl.pallas_call(
+            intra_fn,
+            grid=(B, H, n),
+            out_shape=(
+                jax.ShapeDtypeStruct((B, Tp, H, K), sd),
+                jax.ShapeDtypeStruct((B, Tp, H, V), sd),
+                jax.ShapeDtypeStruct((B, Tp, H, K), sd),
+                jax.ShapeDtypeStruct((B, Tp, H, K), sd),
+                jax.ShapeDtypeStruct((B, Tp, H, C), sd),
+                jax.ShapeDtypeStruct((B, n, H, K), _F32),
+            ),
+            interpret=interpret,
+            name="kda_intra_safe_gate",
+            **params,
+        )(*ins)
 
     varlen = chunk_offsets is not None
     n_seq = initial_state.shape[0]
@@ -476,8 +608,8 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
             raise ValueError(
                 f"pallas KDA on GPU needs K and V powers of two >= 16 (Triton), got {bad}"
             )
-    if intra not in ("v1", "lean"):
-        raise ValueError(f"intra: expected 'v1' or 'lean', got {intra!r}")
+    if intra not in INTRA_VARIANTS:
+        raise ValueError(f"intra: expected one of {INTRA_VARIANTS}, got {intra!r}")
     if not _is_pow2(block_v) or block_v < 16:
         raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
     scale = K**-0.5 if scale is None else float(scale)

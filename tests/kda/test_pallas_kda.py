@@ -85,11 +85,12 @@ def test_matches_token_recurrence_at_the_bound() -> None:
     assert rel(s, ref_s) <= 1e-4
 
 
-@pytest.mark.parametrize("intra", ["v1", "lean"])
+@pytest.mark.parametrize("intra", ["v1", "lean", "split"])
 def test_fused_gate_matches_activated_reference(intra: str) -> None:
     """In-kernel l2norm / safe-gate sigmoid / beta sigmoid equal the same ops done outside.
 
-    Also the only test of the ``lean`` intra kernel: its fused path is a superset of the plain one.
+    Also the test of the ``lean`` and ``split`` intra kernels against the reference: their fused
+    path is a superset of the plain one.
     """
     T = 150
     rng = np.random.default_rng(3)
@@ -107,6 +108,19 @@ def test_fused_gate_matches_activated_reference(intra: str) -> None:
                                initial_state=s0)
     assert rel(o, ref_o) <= 1e-4
     assert rel(s, ref_s) <= 1e-4
+
+
+@pytest.mark.parametrize("T", [1, 65])
+def test_split_intra_rounds_like_v1_in_bf16(T: int) -> None:
+    """``intra="split"`` casts the same X and beta k e^G to bf16 as "v1" does inside its W/U dots,
+    so in bf16 the two agree to fp32 accumulation-order noise (the bf16 error itself is ~4e-3)."""
+    x = make_inputs(T, seed=4)
+    bf = {n: x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")}
+    args = (bf["q"], bf["k"], bf["v"], x["g"], x["beta"])
+    o1, s1 = pallas_chunk_kda(*args, initial_state=x["s0"], interpret=True, intra="v1")
+    o2, s2 = pallas_chunk_kda(*args, initial_state=x["s0"], interpret=True, intra="split")
+    assert rel(o2.astype(jnp.float32), o1.astype(jnp.float32)) <= 1e-5
+    assert rel(s2, s1) <= 1e-5
 
 
 def test_api_dispatch() -> None:
