@@ -72,6 +72,7 @@ def run_torch():
                           dt_bias=t["dt_bias"], initial_state=t["h0"], output_final_state=True,
                           **kw)
     np.savez(CMP, **x, fla_o=o.float().cpu().numpy(), fla_ht=ht.float().cpu().numpy())
+    json.dump(res, open(os.path.join(OUT, "torch_kda.json"), "w"), indent=1)
     for B, T, H in SHAPES:
         g = torch.Generator(device="cuda").manual_seed(0)
         mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -87,9 +88,9 @@ def run_torch():
         res[f"fla_B{B}_T{T}_H{H}"] = {"ms_med_p20_p80": [round(m, 4) for m in ms],
                                       "model_TFLOPS": round(kda_flops(B, T, H) / ms[0] / 1e9, 1)}
         print(res[f"fla_B{B}_T{T}_H{H}"], flush=True)
+        json.dump(res, open(os.path.join(OUT, "torch_kda.json"), "w"), indent=1)
         del q, k, v, gate, beta
         torch.cuda.empty_cache()
-    json.dump(res, open(os.path.join(OUT, "torch_kda.json"), "w"), indent=1)
 
 
 def run_jax():
