@@ -5,7 +5,9 @@ Conventions follow fla's ``chunk_kda`` with a pre-activated gate (see ``referenc
 on GPU, interpret mode on CPU); it needs ``lower_bound`` in [-5, 0), the caller's promise that
 every ``g >= lower_bound`` (K3's gate); packed ``cu_seqlens`` are supported. ``"auto"`` picks it
 only on GPU when those hold (verified on an H200, 2026-11-29, before packed sequences were added:
-``benchmarks/kda_varlen_h200.py`` checks those) and the XLA reference elsewhere.
+``benchmarks/kda_varlen_h200.py`` checks those) and the XLA reference elsewhere. On TPU,
+``"pallas"`` runs the Mosaic TPU chunk kernel (``pallas_mosaic_tpu_chunk.py``), which has so far
+run only in TPU interpret mode, so ``"auto"`` keeps the XLA reference there.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pallas_kernels.kda.pallas_decode import pallas_kda_decode
 from pallas_kernels.kda.pallas_kda import LOWER_BOUND_MIN, pallas_chunk_kda
 from pallas_kernels.kda.pallas_kda_bwd import pallas_chunk_kda_bwd
 from pallas_kernels.kda.pallas_mosaic_tpu import tpu_kda_decode
+from pallas_kernels.kda.pallas_mosaic_tpu_chunk import tpu_chunk_kda
 from pallas_kernels.kda.reference import chunked_kda, host_offsets, recurrent_kda_step
 
 Implementation = Literal["auto", "xla", "pallas"]
@@ -94,6 +97,50 @@ def _pallas_kda_bwd(scale, cu_seqlens, inputs, cotangents):
 _pallas_kda_with_reference_vjp.defvjp(_pallas_kda_fwd, _pallas_kda_bwd)
 
 
+def _tpu_op(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float,
+    initial_state: jax.Array | None,
+    cu_seqlens: object | None,
+) -> tuple[jax.Array, jax.Array]:
+    if cu_seqlens is not None:
+        raise NotImplementedError(
+            "implementation='pallas' on TPU: the Mosaic TPU chunk kernel does not take cu_seqlens "
+            "yet; use 'xla' or 'auto'."
+        )
+    if initial_state is None:
+        initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+    return _tpu_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _tpu_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale):
+    """The Mosaic TPU forward, differentiable through the VJP of the exact chunked reference
+    (recomputed from the inputs): there is no TPU backward kernel yet."""
+    return tpu_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+
+
+def _tpu_kda_fwd(q, k, v, g, beta, initial_state, scale):
+    out = tpu_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    return out, (q, k, v, g, beta, initial_state)
+
+
+def _tpu_kda_bwd(scale, inputs, cotangents):
+    reference = lambda q, k, v, g, beta, s0: chunked_kda(  # noqa: E731
+        q, k, v, g, beta, scale=scale, initial_state=s0
+    )
+    _, vjp = jax.vjp(reference, *inputs)
+    return vjp(cotangents)
+
+
+_tpu_kda_with_reference_vjp.defvjp(_tpu_kda_fwd, _tpu_kda_bwd)
+
+
 def _safe_gate(lower_bound: float | None) -> bool:
     return lower_bound is not None and LOWER_BOUND_MIN <= lower_bound < 0
 
@@ -101,17 +148,18 @@ def _safe_gate(lower_bound: float | None) -> bool:
 def _select(
     implementation: str, lower_bound: float | None = None
 ) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """Pick the operator: Pallas needs the safe gate and (for "auto") a GPU."""
+    """Pick the operator: Pallas needs the safe gate and (for "auto") a GPU; on TPU "pallas" is
+    the Mosaic TPU kernel, which "auto" does not pick before it has run on TPU hardware."""
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(
             f"implementation: expected one of {_IMPLEMENTATIONS}, got {implementation!r}"
         )
     backend = jax.default_backend()
     if implementation == "pallas":
-        if backend not in ("gpu", "cpu"):
+        if backend not in ("gpu", "cpu", "tpu"):
             raise NotImplementedError(
-                f"implementation='pallas': the Pallas KDA kernel uses the Triton lowering (GPU; "
-                f"interpret mode on CPU), none exists for {backend!r} yet; use 'xla' or 'auto'."
+                f"implementation='pallas': the Pallas KDA kernels are Triton (GPU; interpret mode "
+                f"on CPU) and Mosaic TPU, none exists for {backend!r}; use 'xla' or 'auto'."
             )
         if not _safe_gate(lower_bound):
             raise NotImplementedError(
@@ -119,7 +167,7 @@ def _select(
                 "lower_bound in [-5, 0) (the safe gate: every g >= lower_bound) or use 'xla' / "
                 f"'auto' (got lower_bound={lower_bound!r})."
             )
-        return _pallas_op
+        return _tpu_op if backend == "tpu" else _pallas_op
     if implementation == "auto" and backend == "gpu" and _safe_gate(lower_bound):
         return _pallas_op
     return chunked_kda
