@@ -151,12 +151,32 @@ def chunk_parts(qs, k, v, g, beta, mm_dtype) -> dict[str, jax.Array]:
     )
 
 
-def chunk_grads(qs, k, v, g, beta, A, W, U, h, dh, do, dvn, mm_dtype):
-    """Gradients of one chunk given its input state ``h`` [K, V], the gradient ``dh`` of its output
-    state, ``do`` [C, V] and ``dvn = dL/dv_new`` [C, V] (from the reverse state pass).
+def value_terms(A, W, U, v, h, dh, do, dvn, beta, mm_dtype) -> tuple[dict, jax.Array]:
+    """The terms of one chunk's gradients that contract over V, for a block of V columns.
 
-    Returns ``(dqs, dk, dv, dg, dbeta)``; ``dqs`` is w.r.t. the scaled q. ``g`` enters through
-    ``G = cumsum(g)``, so ``dg`` is the reverse cumsum of ``dG`` plus ``dG_last`` on every row.
+    ``U, v, do, dvn`` [C, BV], ``h, dh`` [K, BV]: the returned sums are additive over V blocks
+    (``key_grads`` takes their totals); ``dv`` [C, BV] is final for those columns.
+    o = Qg h + Aqk vn,  vn = U - W h,  h_next = e^{G_last} h + Kd^T vn,  U = A (beta v).
+    """
+    vn = U - dot(W, h, mm_dtype)
+    yu = dot(A, dvn, mm_dtype, trans_a=True)  # d(beta v)
+    sums = dict(
+        dQg=dot(do, h, mm_dtype, trans_b=True),
+        dAqk=dot(do, vn, mm_dtype, trans_b=True),
+        dW=-dot(dvn, h, mm_dtype, trans_b=True),
+        dKd=dot(vn, dh, mm_dtype, trans_b=True),
+        dgl=jnp.sum(h * dh, axis=1)[None, :],
+        dLU=dot(yu, U, mm_dtype, trans_b=True),
+        dbeta=jnp.sum(yu * v, axis=1),
+    )
+    return sums, beta[:, None] * yu
+
+
+def key_grads(qs, k, g, beta, A, W, sums: dict, mm_dtype):
+    """``(dqs, dk, dg, dbeta)`` of one chunk from the V-summed ``value_terms``.
+
+    ``g`` enters through ``G = cumsum(g)``, so ``dg`` is the reverse cumsum of ``dG`` plus
+    ``dG_last`` on every row.
     """
     causal, strict = causal_masks()
     G = jnp.cumsum(g, axis=0)
@@ -165,35 +185,36 @@ def chunk_grads(qs, k, v, g, beta, A, W, U, h, dh, do, dvn, mm_dtype):
     b = beta[:, None]
     eg = jnp.exp(G)
     ed = jnp.exp(G_last - G)
-    vn = U - dot(W, h, mm_dtype)
-
-    # o = Qg h + Aqk vn;  vn = U - W h;  h_next = e^{G_last} h + Kd^T vn
-    dQg = dot(do, h, mm_dtype, trans_b=True)
-    dAqk = jnp.where(causal, dot(do, vn, mm_dtype, trans_b=True), 0.0)
-    dW = -dot(dvn, h, mm_dtype, trans_b=True)
-    dKd = dot(vn, dh, mm_dtype, trans_b=True)
-    dgl = jnp.sum(h * dh, axis=1)[None, :]
+    dAqk = jnp.where(causal, sums["dAqk"], 0.0)
+    dKd = sums["dKd"]
 
     # W = A (b k e^G), U = A (b v), A = (I + L)^{-1}: dL = -A^T dA A^T = -(A^T dW) W^T - (A^T dU) U^T
-    yw = dot(A, dW, mm_dtype, trans_a=True)
-    yu = dot(A, dvn, mm_dtype, trans_a=True)
-    dL = jnp.where(strict, -dot(yw, W, mm_dtype, trans_b=True) - dot(yu, U, mm_dtype, trans_b=True),
-                   0.0)
+    yw = dot(A, sums["dW"], mm_dtype, trans_a=True)  # d(b k e^G)
+    dL = jnp.where(strict, -dot(yw, W, mm_dtype, trans_b=True) - sums["dLU"], 0.0)
     kg = k * eg
-    dv = b * yu
-    dbeta = jnp.sum(yw * kg, axis=1) + jnp.sum(yu * v, axis=1)
 
     # L = b_r P(k, k): row side taken with dL (gives dbeta), column side with b_r dL.
     rk = pair_row_grad(dL, k, row_fac, col_facs, mm_dtype)
     ck = pair_col_grad(dL, b * k, row_fac, col_facs, mm_dtype)
     rq = pair_row_grad(dAqk, k, row_fac, col_facs, mm_dtype)
     cq = pair_col_grad(dAqk, qs, row_fac, col_facs, mm_dtype)
-    dbeta = dbeta + jnp.sum(k * rk, axis=1)
+    dbeta = sums["dbeta"] + jnp.sum(yw * kg, axis=1) + jnp.sum(k * rk, axis=1)
 
-    dqs = dQg * eg + rq
+    dqs = sums["dQg"] * eg + rq
     dk = b * rk + ck + cq + b * yw * eg + dKd * ed
     kd = k * ed
     dG = (qs * dqs + b * k * rk - k * (ck + cq) + b * yw * kg - dKd * kd)
-    dG_last = jnp.sum(dKd * kd, axis=0)[None, :] + dgl * jnp.exp(G_last)
+    dG_last = jnp.sum(dKd * kd, axis=0)[None, :] + sums["dgl"] * jnp.exp(G_last)
     dg = jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG + dG_last
+    return dqs, dk, dg, dbeta
+
+
+def chunk_grads(qs, k, v, g, beta, A, W, U, h, dh, do, dvn, mm_dtype):
+    """Gradients of one chunk given its input state ``h`` [K, V], the gradient ``dh`` of its output
+    state, ``do`` [C, V] and ``dvn = dL/dv_new`` [C, V] (from the reverse state pass).
+
+    Returns ``(dqs, dk, dv, dg, dbeta)``; ``dqs`` is w.r.t. the scaled q.
+    """
+    sums, dv = value_terms(A, W, U, v, h, dh, do, dvn, beta, mm_dtype)
+    dqs, dk, dg, dbeta = key_grads(qs, k, g, beta, A, W, sums, mm_dtype)
     return dqs, dk, dv, dg, dbeta

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_math import C, chunk_grads, chunk_parts, dot
+from pallas_kernels.kda.chunk_math import C, chunk_parts, dot, key_grads, value_terms
 
 try:  # Triton compiler params (GPU only); interpret mode ignores them.
     from jax.experimental.pallas import triton as pl_triton
@@ -88,18 +88,34 @@ def _dstates_kernel(qg_ref, w_ref, aqk_ref, kd_ref, gl_ref, do_ref, dht_ref, dhs
 
 
 def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref,
-                  dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, scale, mm_dtype):
+                  dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, scale, mm_dtype, bv):
+    """One chunk's gradients; the V-contracting terms accumulate over V blocks of ``bv`` columns so
+    that only ``[K, bv]`` slices of the two states are live at a time."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ts = pl.ds(c * C, C)
-    ld = lambda ref: ref[b, ts, h, :].astype(_F32)  # noqa: E731
-    dqs, dk, dv, dg, dbeta = chunk_grads(
-        ld(q_ref) * scale, ld(k_ref), ld(v_ref), ld(g_ref), b_ref[b, ts, h].astype(_F32),
-        ld(a_ref), ld(w_ref), ld(u_ref), hs_ref[b, c, h, :, :].astype(_F32),
-        dhs_ref[b, c, h, :, :].astype(_F32), ld(do_ref), ld(dvn_ref), mm_dtype,
-    )
+    K, V = k_ref.shape[-1], v_ref.shape[-1]
+    A = a_ref[b, ts, h, :].astype(_F32)
+    W = w_ref[b, ts, h, :].astype(_F32)
+    beta = b_ref[b, ts, h].astype(_F32)
+
+    def body(iv, acc):
+        vs = pl.ds(iv * bv, bv)
+        ld = lambda ref: ref[b, ts, h, vs].astype(_F32)  # noqa: E731
+        sums, dv = value_terms(A, W, ld(u_ref), ld(v_ref), hs_ref[b, c, h, :, vs].astype(_F32),
+                               dhs_ref[b, c, h, :, vs].astype(_F32), ld(do_ref), ld(dvn_ref), beta,
+                               mm_dtype)
+        dv_ref[b, ts, h, vs] = dv.astype(dv_ref.dtype)
+        return {n: acc[n] + sums[n] for n in acc}
+
+    z = lambda *s: jnp.zeros(s, _F32)  # noqa: E731
+    init = dict(dQg=z(C, K), dAqk=z(C, C), dW=z(C, K), dKd=z(C, K), dgl=z(1, K), dLU=z(C, C),
+                dbeta=z(C))
+    sums = lax.fori_loop(0, V // bv, body, init)
+    dqs, dk, dg, dbeta = key_grads(q_ref[b, ts, h, :].astype(_F32) * scale,
+                                   k_ref[b, ts, h, :].astype(_F32), g_ref[b, ts, h, :].astype(_F32),
+                                   beta, A, W, sums, mm_dtype)
     dq_ref[b, ts, h, :] = (dqs * scale).astype(dq_ref.dtype)
     dk_ref[b, ts, h, :] = dk.astype(dk_ref.dtype)
-    dv_ref[b, ts, h, :] = dv.astype(dv_ref.dtype)
     dg_ref[b, ts, h, :] = dg.astype(dg_ref.dtype)
     db_ref[b, ts, h] = dbeta.astype(db_ref.dtype)
 
@@ -165,15 +181,15 @@ def stage_dstates(qg, W, aqk, kd, gl, do, dht, *, block_v, interpret, num_warps,
     )(qg, W, aqk, kd, gl, do, dht)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",) + _TUNING)
-def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, interpret, num_warps,
-                num_stages):
+@functools.partial(jax.jit, static_argnames=("scale", "block_v") + _TUNING)
+def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, interpret,
+                num_warps, num_stages):
     """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes."""
     B, Tp, H, _ = q.shape
     mm_dtype, _ = _dtypes(v)
     sds = jax.ShapeDtypeStruct
     return pl.pallas_call(
-        functools.partial(_grads_kernel, scale=scale, mm_dtype=mm_dtype),
+        functools.partial(_grads_kernel, scale=scale, mm_dtype=mm_dtype, bv=block_v),
         grid=(B, H, Tp // C),
         out_shape=(sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(v.shape, v.dtype),
                    sds(g.shape, g.dtype), sds(beta.shape, beta.dtype)),
@@ -181,12 +197,13 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, interpret
     )(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_v") + _TUNING)
-def _bwd(q, k, v, g, beta, h0, do, dht, *, scale, block_v, **tuning):
+@functools.partial(jax.jit, static_argnames=("scale", "block_v", "grads_block_v") + _TUNING)
+def _bwd(q, k, v, g, beta, h0, do, dht, *, scale, block_v, grads_block_v, **tuning):
     A, W, U, aqk, qg, kd, gl = stage_parts(q, k, v, g, beta, scale=scale, **tuning)
     hs = stage_states(W, U, kd, gl, h0, block_v=block_v, **tuning)
     dhs, dvn, ds0 = stage_dstates(qg, W, aqk, kd, gl, do, dht, block_v=block_v, **tuning)
-    grads = stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, scale=scale, **tuning)
+    grads = stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, scale=scale,
+                        block_v=grads_block_v, **tuning)
     return (*grads, ds0)
 
 
@@ -203,6 +220,7 @@ def pallas_chunk_kda_bwd(
     scale: float,
     interpret: bool | None = None,
     block_v: int = 64,
+    grads_block_v: int = 32,
     num_warps: int = 4,
     num_stages: int = 1,
 ) -> tuple[jax.Array, ...]:
@@ -210,7 +228,9 @@ def pallas_chunk_kda_bwd(
 
     q, k, g [B, T, H, K]; v, do [B, T, H, V]; beta [B, T, H]; initial_state, dht fp32
     [B, H, K, V]. Returns ``(dq, dk, dv, dg, dbeta, d initial_state)`` in the inputs' dtypes
-    (the state gradient fp32). ``interpret`` defaults to True off GPU.
+    (the state gradient fp32). ``interpret`` defaults to True off GPU. ``block_v``: V columns per
+    program of the two state recurrences; ``grads_block_v``: V columns per step of the gradient
+    kernel's loop (its live set).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -221,17 +241,19 @@ def pallas_chunk_kda_bwd(
         if bad:
             raise ValueError(
                 f"pallas KDA backward on GPU needs K and V powers of two >= 16 (Triton), got {bad}")
-    bv = min(block_v, V)
-    if V % bv:
-        raise ValueError(f"block_v: V={V} is not a multiple of block_v={bv}")
+    blocks = {}
+    for name, size in (("block_v", block_v), ("grads_block_v", grads_block_v)):
+        blocks[name] = min(size, V)
+        if V % blocks[name]:
+            raise ValueError(f"{name}: V={V} is not a multiple of {name}={blocks[name]}")
     Tp = -(-T // C) * C
     if Tp != T:  # identity steps (k = v = beta = g = 0) with zero output cotangent
         pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
         q, k, v, g, beta, do = map(pad, (q, k, v, g, beta, do))
     dq, dk, dv, dg, db, ds0 = _bwd(
         q, k, v, g, beta, initial_state.astype(_F32), do.astype(v.dtype), dht.astype(_F32),
-        scale=float(scale), interpret=bool(interpret), block_v=bv, num_warps=num_warps,
-        num_stages=num_stages,
+        scale=float(scale), interpret=bool(interpret), num_warps=num_warps,
+        num_stages=num_stages, **blocks,
     )
     if Tp != T:
         dq, dk, dv, dg, db = (x[:, :T] for x in (dq, dk, dv, dg, db))

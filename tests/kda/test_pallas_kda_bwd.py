@@ -1,8 +1,10 @@
 """The Pallas KDA backward kernels (interpret mode on CPU) against the pure-JAX analytic backward.
 
-Both run the same per-chunk algebra (``chunk_math.py``), so fp32 results agree to rounding of the
-reduction order (1e-6); the pure-JAX backward itself is tested against autodiff of the references
-in ``test_chunk_backward.py``. block_v=8 < V=24 exercises the V-split state recurrences.
+Both run the same per-chunk algebra (``chunk_math.py``), so fp32 results differ only by the order
+of reductions (the V loop): <= 1e-7, except dg (a reverse cumsum of sums) at ~1e-6. The pure-JAX
+backward itself is tested against autodiff of the references in ``test_chunk_backward.py``.
+block_v = grads_block_v = 8 < V = 24 exercises the V split of the state recurrences and the V loop
+of the gradient kernel.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ def _args(x, with_state: bool) -> tuple:
 def test_matches_pure_jax_backward(T: int, with_state: bool) -> None:
     args = _args(make_case(T, seed=T), with_state)
     want = chunk_kda_bwd(*args, scale=K**-0.5)
-    got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, interpret=True, block_v=8)
+    got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, interpret=True, block_v=8, grads_block_v=8)
     for name, a, b in zip(NAMES, got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert rel(a, b) <= 1e-6, name
+        assert rel(a, b) <= 3e-6, name
 
 
 def test_bf16_matches_pure_jax_backward() -> None:
@@ -36,7 +38,7 @@ def test_bf16_matches_pure_jax_backward() -> None:
     args = tuple(a.astype(jnp.bfloat16) if i in (0, 1, 2, 3, 4, 6) else a
                  for i, a in enumerate(_args(x, True)))
     want = chunk_kda_bwd(*args, scale=K**-0.5)
-    got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, interpret=True, block_v=8)
+    got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, interpret=True, block_v=8, grads_block_v=8)
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == b.dtype, name
         assert rel(a, b) <= 3e-2, name
@@ -46,3 +48,5 @@ def test_validates_block_v() -> None:
     args = _args(make_case(1, seed=0), True)
     with pytest.raises(ValueError, match="block_v"):
         pallas_chunk_kda_bwd(*args, scale=1.0, interpret=True, block_v=16)
+    with pytest.raises(ValueError, match="grads_block_v"):
+        pallas_chunk_kda_bwd(*args, scale=1.0, interpret=True, grads_block_v=16)
