@@ -72,13 +72,22 @@ Weight = jax.Array | MXFP4Experts  # [E, N, K] dense, or packed codes [E, N, K/2
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-    """Tile sizes and Triton launch parameters. ``block_n`` is per accumulator (gate and up each get one)."""
+    """Tile sizes and Triton launch parameters. ``block_n`` is per accumulator (gate and up each get one).
+
+    weights_lhs: feed the weight tile as the MMA's left operand (out^T = w x^T, accumulators [bn, bm],
+    transposed once for the store). On Hopper the left wgmma operand may come from registers, so a tile
+    decoded in registers (MXFP4) goes straight to the tensor cores and the MMA stays asynchronous, overlapping
+    the next tile's decode; as the right operand it has to be written to shared memory first and Triton
+    waits for each MMA before the next decode (seen in the SASS: ``WARPGROUP.DEPBAR.LE gsb0, 0x0``). The row
+    tile becomes the MMA's N, which may be as small as 16 rows.
+    """
 
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 4
+    weights_lhs: bool = False
 
 
 # Picked on one H200 (2026-11-29, benchmarks/RESULTS.md): 128-row tiles when experts average >= 320 rows;
@@ -170,21 +179,26 @@ def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused
 
     @pl.when(active & (grp < num_groups))
     def _compute():
+        dims = (((1,), (1,)), ((), ()))  # a [., bk] . b [., bk]^T
+
+        def mma(xt, wt):
+            if cfg.weights_lhs:
+                return jax.lax.dot_general(wt, xt, dims, preferred_element_type=F32)  # [bn, bm]
+            return jax.lax.dot_general(xt, wt, dims, preferred_element_type=F32)  # [bm, bn]
+
         def body(k, accs):
             k0 = pl.multiple_of(k * bk, bk)
             xt = x_ref[pl.ds(load_start, bm), pl.ds(k0, bk)]
-            dims = (((1,), (1,)), ((), ()))  # x [bm, bk] . w [bn, bk]^T
-            w1t = _weight_tile(w1_refs, grp, n0, k0, bn, bk, xt.dtype)
-            new = [accs[0] + jax.lax.dot_general(xt, w1t, dims, preferred_element_type=F32)]
+            new = [accs[0] + mma(xt, _weight_tile(w1_refs, grp, n0, k0, bn, bk, xt.dtype))]
             if fused:
-                w3t = _weight_tile(w3_refs, grp, n0, k0, bn, bk, xt.dtype)
-                new.append(accs[1] + jax.lax.dot_general(xt, w3t, dims, preferred_element_type=F32))
+                new.append(accs[1] + mma(xt, _weight_tile(w3_refs, grp, n0, k0, bn, bk, xt.dtype)))
             return tuple(new)
 
-        zeros = jnp.zeros((bm, bn), F32)
+        zeros = jnp.zeros((bn, bm) if cfg.weights_lhs else (bm, bn), F32)
         accs = jax.lax.fori_loop(0, num_k, body, (zeros, zeros) if fused else (zeros,))
         out = _situ_f32(accs[0], accs[1], beta, linear_beta, approx) if fused else accs[0]
-        pltr.store(out_block, out.astype(o_ref.dtype), mask=store_mask)
+        out = out.astype(o_ref.dtype)
+        pltr.store(out_block, out.T if cfg.weights_lhs else out, mask=store_mask)
 
     @pl.when(active & (grp >= num_groups))
     def _zero_tail():  # rows past sum(group_sizes)

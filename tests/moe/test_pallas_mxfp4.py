@@ -9,6 +9,7 @@ while a wrong nibble order, scale block or sign gives O(1) errors.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -67,18 +68,31 @@ def test_decode_tile_matches_release_decode_bit_for_bit() -> None:
     assert bf16.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("weights_lhs", [False, True])
 @pytest.mark.parametrize("name", list(GROUPS))
-def test_grouped_gemms_match_decode_then_ragged_dot(name: str) -> None:
+def test_grouped_gemms_match_decode_then_ragged_dot(name: str, weights_lhs: bool) -> None:
     x, w1, w3 = operands()
     gs = jnp.asarray(GROUPS[name], jnp.int32)
     d1, d3 = w1.decode(jnp.bfloat16), w3.decode(jnp.bfloat16)
-    gate_up = pg.grouped_gate_up_situ(x, w1, w3, gs, cfg=CFG, out_dtype=F32, interpret=True)
+    cfg = dataclasses.replace(CFG, weights_lhs=weights_lhs)
+    gate_up = pg.grouped_gate_up_situ(x, w1, w3, gs, cfg=cfg, out_dtype=F32, interpret=True)
     assert rel(gate_up, situ(ragged_f32(x, d1, gs), ragged_f32(x, d3, gs), 4.0, 25.0)) <= 1e-5
-    plain = pg.grouped_matmul(x, w1, gs, cfg=CFG, out_dtype=F32, interpret=True)
+    plain = pg.grouped_matmul(x, w1, gs, cfg=cfg, out_dtype=F32, interpret=True)
     assert rel(plain, ragged_f32(x, d1, gs)) <= 1e-5
     tail = int(gs.sum())
     for out in (gate_up, plain):
         np.testing.assert_array_equal(np.asarray(out[tail:]), 0.0)
+
+
+def test_weights_lhs_dense_matches_ragged_dot() -> None:
+    """The transposed-accumulator order on bf16 weights, 16-row tiles (the MMA's N), rows past the groups."""
+    x, w1, w3 = operands()
+    d1, d3 = w1.decode(jnp.bfloat16), w3.decode(jnp.bfloat16)
+    gs = jnp.asarray(GROUPS["tail_rows_zero"], jnp.int32)
+    cfg = pg.TileConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, weights_lhs=True)
+    out = pg.grouped_gate_up_situ(x, d1, d3, gs, cfg=cfg, out_dtype=F32, interpret=True)
+    assert rel(out, situ(ragged_f32(x, d1, gs), ragged_f32(x, d3, gs), 4.0, 25.0)) <= 1e-5
+    np.testing.assert_array_equal(np.asarray(out[int(gs.sum()):]), 0.0)
 
 
 def test_wide_k_tile_and_default_tiles() -> None:
@@ -156,8 +170,10 @@ def test_packed_grads_flow_to_x_only() -> None:
         assert rel(g, w) <= 1e-5
 
 
+@pytest.mark.parametrize("weights_lhs", [False, True])
 @pytest.mark.parametrize("which", ["gate_up", "down"])
-def test_packed_kernels_lower_to_triton_for_cuda(which: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_kernels_lower_to_triton_for_cuda(which: str, weights_lhs: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Pallas -> Triton IR at the K3 shapes (28 experts) with packed weights, as the H200 would compile it."""
     try:
         from jax._src.pallas.triton import gpu_info, pallas_call_registration
@@ -170,9 +186,11 @@ def test_packed_kernels_lower_to_triton_for_cuda(which: str, monkeypatch: pytest
     packed = lambda n, k: MXFP4Experts(sds((experts, n, k // 2), jnp.uint8),  # noqa: E731
                                        sds((experts, n, k // 32), jnp.uint8))
     gs = sds((experts,), jnp.int32)
+    cfg = pg.TileConfig(128, 128, 64, 8, 4, weights_lhs=weights_lhs)
     if which == "down":
-        fn, args = pg.grouped_matmul, (sds((m, f), jnp.bfloat16), packed(h, f), gs)
+        fn, args = functools.partial(pg.grouped_matmul, cfg=cfg), (sds((m, f), jnp.bfloat16), packed(h, f), gs)
     else:
-        fn, args = pg.grouped_gate_up_situ, (sds((m, h), jnp.bfloat16), packed(f, h), packed(f, h), gs)
+        fn = functools.partial(pg.grouped_gate_up_situ, cfg=cfg)
+        args = (sds((m, h), jnp.bfloat16), packed(f, h), packed(f, h), gs)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text

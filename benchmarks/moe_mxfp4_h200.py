@@ -1,0 +1,375 @@
+"""MoE grouped GEMMs on one H200: MXFP4 weights decoded in the kernel, row tiling at 112 experts, and the backward.
+
+Usage on the GPU machine (one job, about 3-4 minutes; torch runs in its own process afterwards):
+
+    PYTHONPATH=. python3 benchmarks/moe_mxfp4_h200.py              # jax part, torch part, then the table
+    PYTHONPATH=. python3 benchmarks/moe_mxfp4_h200.py --part jax|torch|report
+
+Results land in $OUT (or .) as moe_mxfp4_jax.json / moe_mxfp4_torch.json. Every case is checked before it is
+timed; a case that fails (compile error, wrong numbers) is recorded and the others still run.
+
+Cases (K3 per-GPU slices, M = 16384 rows sorted by expert, group sizes uniform):
+  * gate+up 3584 -> 2x3072 (SiTU fused) and down 3072 -> 3584 at E=28: the bf16 kernel on bf16 weights, the
+    same kernel reading MXFP4 weights and decoding tiles in registers (a few tile configs), and XLA decode of
+    the whole layer followed by the bf16 kernel (what routed_experts did before the in-kernel decode);
+  * gate+up at E=112 (146-147 rows per expert): the tile configs, old and new;
+  * expert MLP forward+backward at E=28 (pallas_vjp.expert_mlp) vs jax autodiff of the lax.ragged_dot MLP,
+    and (torch part) torch._grouped_mm forward + autograd backward of the same MLP.
+Numerics: MXFP4 in-kernel vs the bf16 kernel on the decoded weights with fp32 output (same bf16 operands, so
+only the fp32 summation order may differ: rel <= 1e-5), bf16 outputs vs an fp32 lax.ragged_dot reference
+(rel <= 1e-2: bf16 output rounding is ~2e-3). Backward: Pallas vs XLA gradients, both bf16 (rel <= 3e-2).
+TFLOP/s count useful FLOPs: 2*M*K*N per GEMM (gate+up N = 2F); fwd+bwd = 3x the forward's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+OUT = os.environ.get("OUT", ".")
+M, H, F = 16384, 3584, 3072
+INTERPRET = False  # --smoke: tiny shapes in Pallas interpret mode on CPU, to check the script itself
+BETA, LINEAR_BETA = 4.0, 25.0
+
+
+def uniform_sizes(num_experts: int, m: int = M) -> list[int]:
+    base, rem = divmod(m, num_experts)
+    return [base + (i < rem) for i in range(num_experts)]
+
+
+# ---------------------------------------------------------------------------------------------- JAX
+
+
+def part_jax(budget_s: float) -> None:
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.moe import pallas_grouped_gemm as pg
+    from pallas_kernels.moe.pallas_experts import experts_pallas
+    from pallas_kernels.moe.pallas_vjp import expert_mlp
+    from pallas_kernels.moe.reference import _RAGGED_DIMS, MXFP4Experts, experts_ragged_dot, situ
+
+    t0 = time.time()
+    T = pg.TileConfig
+    res: dict = {"env": {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind)}}
+    path = os.path.join(OUT, "moe_mxfp4_jax.json")
+
+    def save() -> None:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+    def bench(fn, *args, reps=15, inner=3):
+        if INTERPRET:
+            reps, inner = 1, 1
+        for _ in range(2):
+            jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            for _ in range(inner):
+                r = fn(*args)
+            jax.block_until_ready(r)
+            times.append((time.perf_counter() - t) / inner * 1e3)
+        times.sort()
+        return times[len(times) // 2], times[len(times) // 5], times[(4 * len(times)) // 5]
+
+    def rel(a, b) -> float:
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+    def ragged(x, w, gs):
+        return jax.lax.ragged_dot_general(x, w, gs, _RAGGED_DIMS, preferred_element_type=jnp.float32)
+
+    def random_mxfp4(key, e, n, k) -> MXFP4Experts:
+        """Random codes; scale bytes 119/120 give a weight RMS of ~0.01 (about K^-1/2)."""
+        k1, k2 = jax.random.split(key)
+        scale = 119 + jax.random.bits(k2, (e, n, k // 32), jnp.uint8) % 2
+        return MXFP4Experts(jax.random.bits(k1, (e, n, k // 2), jnp.uint8), scale.astype(jnp.uint8))
+
+    def tag(cfg) -> str:
+        return (f"bm{cfg.block_m}_bn{cfg.block_n}_bk{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
+                + ("_wlhs" if cfg.weights_lhs else ""))
+
+    def run_case(record: dict, name: str, fn, args, check) -> None:
+        """Compile, check numerics (check(out) -> (rel_err, ok)), then time; failures are recorded."""
+        try:
+            err, ok = check(fn(*args))
+            entry = {"rel_err": err, "ok": ok}
+            if ok:
+                ms = bench(fn, *args)
+                entry.update(ms_med_p20_p80=ms, TFLOPs=record["GFLOP"] / ms[0])
+        except Exception as e:  # keep going: report the failure
+            entry = {"error": repr(e)[:800]}
+        record[name] = entry
+        print(record.get("label"), name, entry, flush=True)
+        save()
+
+    # -- 1. small edge cases, compiled (not interpret): empty experts, one expert, rows past the groups --
+    key = jax.random.key(7)
+    edge: dict = {}
+    small = T(64, 64, 32, 4, 3)
+    for name, sizes in [("uneven", [50, 0, 131, 7, 68]), ("one_expert", [0, 0, 256, 0, 0]),
+                        ("tail_rows", [10, 20, 0, 30, 100])]:
+        k1, k2, k3, key = jax.random.split(key, 4)
+        x = jax.random.normal(k1, (256, 128), jnp.bfloat16)
+        q1, q3 = random_mxfp4(k2, 5, 128, 128), random_mxfp4(k3, 5, 128, 128)
+        d1, d3 = (q.decode(jnp.bfloat16) for q in (q1, q3))
+        gs = jnp.asarray(sizes, jnp.int32)
+        ref = situ(ragged(x, d1, gs), ragged(x, d3, gs), BETA, LINEAR_BETA)
+        try:
+            out = {}
+            for lhs in (False, True):
+                c = T(64, 64, 32, 4, 3, weights_lhs=lhs)
+                out[f"gate_up_lhs{int(lhs)}"] = rel(pg.grouped_gate_up_situ(
+                    x, q1, q3, gs, cfg=c, out_dtype=jnp.float32, approx_situ=False, interpret=INTERPRET), ref)
+                out[f"matmul_lhs{int(lhs)}"] = rel(pg.grouped_matmul(
+                    x, q1, gs, cfg=c, out_dtype=jnp.float32, interpret=INTERPRET), ragged(x, d1, gs))
+            edge[name] = out
+        except Exception as e:
+            edge[name] = {"error": repr(e)[:800]}
+    try:  # whole routed path, in = 96 (block_k fitted to 32), out = 40 (padded)
+        k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+        x = jax.random.normal(k1, (300, 96), jnp.bfloat16)
+        ws = [random_mxfp4(k, 8, n, kk) for k, n, kk in ((k2, 64, 96), (k3, 40, 64), (k4, 64, 96))]
+        ids = jax.random.randint(k5, (300, 4), 0, 8)
+        wts = jnp.full((300, 4), 0.25, jnp.float32)
+        got = jax.jit(functools.partial(experts_pallas, beta=BETA, linear_beta=LINEAR_BETA, interpret=INTERPRET))(
+            x, *ws, wts, ids)
+        want = experts_ragged_dot(x, *(w.decode(jnp.bfloat16) for w in ws), wts, ids, beta=BETA,
+                                  linear_beta=LINEAR_BETA)
+        edge["routed_k96"] = rel(got, want)  # both bf16 paths; XLA rounds gate/up to bf16 first (~3e-3)
+    except Exception as e:
+        edge["routed_k96"] = {"error": repr(e)[:800]}
+    res["edge_rel_err"] = edge
+    print("edge cases (fp32 out, rel err):", edge, flush=True)
+    save()
+
+    def forward_case(rec, num_experts, fused, k_dim, n_w, bf16_cfgs, mxfp4_cfgs) -> None:
+        """bf16 kernel, MXFP4 in-kernel decode and XLA decode + bf16 kernel on one GEMM shape, into rec."""
+        kx, k1, k3 = jax.random.split(jax.random.key(num_experts + fused), 3)
+        x = jax.random.normal(kx, (M, k_dim), jnp.bfloat16)
+        q1 = random_mxfp4(k1, num_experts, n_w, k_dim)
+        q3 = random_mxfp4(k3, num_experts, n_w, k_dim) if fused else None
+        d1 = q1.decode(jnp.bfloat16)
+        d3 = q3.decode(jnp.bfloat16) if fused else None
+        gs = jnp.asarray(uniform_sizes(num_experts), jnp.int32)
+        if fused:
+            call = lambda cfg, **kw: jax.jit(functools.partial(  # noqa: E731
+                pg.grouped_gate_up_situ, cfg=cfg, interpret=INTERPRET, **kw))
+            ref32 = jax.jit(lambda x_, a, b, g: situ(ragged(x_, a, g), ragged(x_, b, g), BETA, LINEAR_BETA))(
+                x, d1, d3, gs)
+            same_ops = call(bf16_cfgs[0], out_dtype=jnp.float32)(x, d1, d3, gs)
+            dense_args, packed_args = (x, d1, d3, gs), (x, q1, q3, gs)
+        else:
+            call = lambda cfg, **kw: jax.jit(functools.partial(  # noqa: E731
+                pg.grouped_matmul, cfg=cfg, interpret=INTERPRET, **kw))
+            ref32 = jax.jit(ragged)(x, d1, gs)
+            same_ops = call(bf16_cfgs[0], out_dtype=jnp.float32)(x, d1, gs)
+            dense_args, packed_args = (x, d1, gs), (x, q1, gs)
+        bf16_check = lambda out: (lambda e: (e, e <= 1e-2))(rel(out, ref32))  # noqa: E731
+        for cfg in bf16_cfgs:
+            run_case(rec, "bf16_" + tag(cfg), call(cfg), dense_args, bf16_check)
+        for cfg in mxfp4_cfgs:
+            exact = call(cfg, out_dtype=jnp.float32)
+            try:
+                err32 = rel(exact(*packed_args), same_ops)
+                rec["mxfp4_fp32out_vs_bf16_kernel_" + tag(cfg)] = err32
+            except Exception as e:
+                err32 = float("inf")
+                rec["mxfp4_fp32out_vs_bf16_kernel_" + tag(cfg)] = repr(e)[:800]
+            run_case(rec, "mxfp4_" + tag(cfg), call(cfg), packed_args,
+                     lambda out, e32=err32: (rel(out, ref32), e32 <= 1e-5 and rel(out, ref32) <= 1e-2))
+        if fused:
+            xla_decode = jax.jit(lambda x_, a, b, g: pg.grouped_gate_up_situ(
+                x_, a.decode(jnp.bfloat16), b.decode(jnp.bfloat16), g, cfg=bf16_cfgs[0], interpret=INTERPRET))
+        else:
+            xla_decode = jax.jit(lambda x_, a, g: pg.grouped_matmul(
+                x_, a.decode(jnp.bfloat16), g, cfg=bf16_cfgs[0], interpret=INTERPRET))
+        run_case(rec, "xla_decode_then_bf16_kernel", xla_decode, packed_args, bf16_check)
+
+    # -- 2. forward GEMMs ------------------------------------------------------------------------------
+    mx_cfgs = [T(128, 128, 64, 8, 4, weights_lhs=True), T(128, 128, 64, 8, 4), T(128, 128, 128, 8, 3, True),
+               T(64, 128, 64, 8, 4, weights_lhs=True)]
+    cases = [
+        ("gate_up_E28", 28, True, [pg.GATE_UP_DEFAULT], mx_cfgs),
+        ("down_E28", 28, False, [pg.DOWN_DEFAULT], [T(128, 256, 64, 8, 4, weights_lhs=True), pg.DOWN_DEFAULT,
+                                                    T(128, 128, 64, 8, 4, weights_lhs=True)]),
+        ("gate_up_E112", 112, True, [pg.GATE_UP_SMALL_GROUPS, pg.GATE_UP_DEFAULT, T(128, 128, 64, 8, 4, True),
+                                     T(64, 128, 64, 8, 4, weights_lhs=True), T(32, 128, 64, 4, 4, True)],
+         [T(64, 128, 64, 8, 4, weights_lhs=True)]),
+    ]
+    for label, num_experts, fused, bf16_cfgs, mxfp4_cfgs in cases:
+        if time.time() - t0 > budget_s * 0.6:
+            res[label] = {"skipped": "time budget"}
+            save()
+            continue
+        k_dim, n_w = (H, F) if fused else (F, H)
+        rec: dict = {"label": label, "experts": num_experts, "K": k_dim, "N": n_w * (2 if fused else 1),
+                     "GFLOP": 2 * M * k_dim * n_w * (2 if fused else 1) / 1e9}
+        try:
+            forward_case(rec, num_experts, fused, k_dim, n_w, bf16_cfgs, mxfp4_cfgs)
+        except Exception as e:  # setup or reference failed: record it, run the next case
+            rec["error"] = repr(e)[:800]
+        res[label] = rec
+        save()
+
+    # -- 3. expert MLP forward + backward at E=28 --------------------------------------------------------
+    label = "mlp_fwd_bwd_E28"
+    rec = {"label": label, "GFLOP": 3 * 2 * M * (H * 2 * F + F * H) / 1e9}
+    if time.time() - t0 > budget_s * 0.8:
+        res[label] = {"skipped": "time budget"}
+    else:
+        ks = jax.random.split(jax.random.key(3), 5)
+        rows = jax.random.normal(ks[0], (M, H), jnp.bfloat16)
+        w1 = (jax.random.normal(ks[1], (28, F, H), jnp.float32) * 2 * H**-0.5).astype(jnp.bfloat16)
+        w3 = (jax.random.normal(ks[2], (28, F, H), jnp.float32) * H**-0.5).astype(jnp.bfloat16)
+        w2 = (jax.random.normal(ks[3], (28, H, F), jnp.float32) * F**-0.5).astype(jnp.bfloat16)
+        cot = jax.random.normal(ks[4], (M, H), jnp.bfloat16)
+        gs = jnp.asarray(uniform_sizes(28), jnp.int32)
+
+        def xla_mlp(r, a, b, c):
+            g, u = ragged(r, a, gs).astype(r.dtype), ragged(r, c, gs).astype(r.dtype)
+            return ragged(situ(g, u, BETA, LINEAR_BETA), b, gs).astype(r.dtype)
+
+        def pallas_mlp(r, a, b, c):
+            return expert_mlp(r, a, b, c, gs, BETA, LINEAR_BETA, INTERPRET, pg.GATE_UP_DEFAULT, pg.DOWN_DEFAULT,
+                              pg.DOWN_DEFAULT)
+
+        def grads(mlp):
+            loss = lambda r, a, b, c: jnp.sum(mlp(r, a, b, c).astype(jnp.float32) * cot)  # noqa: E731
+            return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+        xla_grads = grads(xla_mlp)
+        args = (rows, w1, w2, w3)
+        try:
+            want = xla_grads(*args)
+            jax.block_until_ready(want)
+
+            def check(got):
+                errs = [rel(g, w) for g, w in zip(got, want)]
+                rec["grad_rel_err_x_w1_w2_w3"] = errs
+                return max(errs), max(errs) <= 3e-2
+
+            run_case(rec, "pallas_custom_vjp", grads(pallas_mlp), args, check)
+            ms = bench(xla_grads, *args, reps=3, inner=1)
+            rec["xla_ragged_dot_autodiff"] = {"ms_med_p20_p80": ms, "TFLOPs": rec["GFLOP"] / ms[0]}
+        except Exception as e:
+            rec["error"] = repr(e)[:800]
+        res[label] = rec
+    res["wall_s"] = time.time() - t0
+    save()
+
+
+# -------------------------------------------------------------------------------------------- torch
+
+
+def part_torch() -> None:
+    import torch
+    import triton
+
+    dev, bf16 = "cuda", torch.bfloat16
+    res: dict = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}}
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=200, quantiles=[0.5, 0.2, 0.8])
+
+    def situ(g, u):
+        g, u = g.float(), u.float()
+        return (BETA * torch.tanh(g / BETA) * torch.sigmoid(g) * LINEAR_BETA * torch.tanh(u / LINEAR_BETA)).to(bf16)
+
+    def weights(e, n, k, requires_grad=False):
+        # release layout [E, N, K]; grouped_mm wants (E, K, N): a transposed view, no copy
+        w = (torch.randn(e, n, k, device=dev, dtype=bf16) * k**-0.5).requires_grad_(requires_grad)
+        return w, w.transpose(-2, -1)
+
+    for label, e, (k_dim, n_dim) in [("gate_up_E28", 28, (H, 2 * F)), ("down_E28", 28, (F, H)),
+                                     ("gate_up_E112", 112, (H, 2 * F))]:
+        offs = torch.cumsum(torch.tensor(uniform_sizes(e)), 0).to(torch.int32).to(dev)
+        x = torch.randn(M, k_dim, device=dev, dtype=bf16)
+        _, w = weights(e, n_dim, k_dim)
+        gflop = 2 * M * k_dim * n_dim / 1e9
+        try:
+            ms = bench(lambda: torch._grouped_mm(x, w, offs=offs))
+            res[label] = {"grouped_mm": {"ms_med_p20_p80": ms, "TFLOPs": gflop / ms[0]}}
+        except Exception as e:
+            res[label] = {"error": repr(e)[:500]}
+        print(label, res[label], flush=True)
+        del x, w
+        torch.cuda.empty_cache()
+
+    # expert MLP fwd + autograd bwd at E=28 (gate and up as one grouped GEMM with N = 2F, SiTU in torch ops)
+    offs = torch.cumsum(torch.tensor(uniform_sizes(28)), 0).to(torch.int32).to(dev)
+    x = torch.randn(M, H, device=dev, dtype=bf16, requires_grad=True)
+    w13, w13_t = weights(28, 2 * F, H, requires_grad=True)
+    w2, w2_t = weights(28, H, F, requires_grad=True)
+    cot = torch.randn(M, H, device=dev, dtype=bf16)
+
+    def fwd_bwd():
+        gu = torch._grouped_mm(x, w13_t, offs=offs)
+        y = torch._grouped_mm(situ(gu[:, :F], gu[:, F:]), w2_t, offs=offs)
+        torch.autograd.backward(y, cot)
+        return y
+
+    gflop = 3 * 2 * M * (H * 2 * F + F * H) / 1e9
+    try:
+        fwd_bwd()
+        ms = bench(fwd_bwd)
+        res["mlp_fwd_bwd_E28"] = {"grouped_mm_autograd": {"ms_med_p20_p80": ms, "TFLOPs": gflop / ms[0]}}
+    except Exception as e:
+        res["mlp_fwd_bwd_E28"] = {"error": repr(e)[:500]}
+    print("mlp_fwd_bwd_E28", res["mlp_fwd_bwd_E28"], flush=True)
+    with open(os.path.join(OUT, "moe_mxfp4_torch.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+# ------------------------------------------------------------------------------------------- report
+
+
+def part_report() -> None:
+    def load(name):
+        try:
+            with open(os.path.join(OUT, name)) as f:
+                return json.load(f)
+        except OSError:
+            return {}
+
+    jr, tr = load("moe_mxfp4_jax.json"), load("moe_mxfp4_torch.json")
+    print(f"device: {jr.get('env')} / {tr.get('env')}")
+    print("edge cases:", jr.get("edge_rel_err"))
+    for label in ("gate_up_E28", "down_E28", "gate_up_E112", "mlp_fwd_bwd_E28"):
+        j, t = jr.get(label, {}), tr.get(label, {})
+        print(f"\n{label}  (torch: {json.dumps(t)})")
+        for name, v in j.items():
+            if isinstance(v, dict):
+                tf = v.get("TFLOPs")
+                print(f"  {name:48s} {'%7.1f TFLOP/s' % tf if tf else '':15s} err {v.get('rel_err', '-')}"
+                      f" {v.get('error', '')[:200]}")
+            elif name not in ("label", "experts", "K", "N", "GFLOP"):
+                print(f"  {name:48s} {v}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", default="all", choices=["all", "jax", "torch", "report"])
+    ap.add_argument("--budget-s", type=float, default=170.0)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU (checks the script)")
+    args = ap.parse_args()
+    if args.smoke:
+        M, H, F, INTERPRET = 256, 256, 256, True
+    if args.part == "jax":
+        part_jax(args.budget_s)
+    elif args.part == "torch":
+        part_torch()
+    elif args.part == "report":
+        part_report()
+    else:
+        for part in ("jax",) if args.smoke else ("jax", "torch"):
+            subprocess.run([sys.executable, __file__, "--part", part, "--budget-s", str(args.budget_s)]
+                           + ["--smoke"] * args.smoke, env=dict(os.environ), check=False)
+        part_report()
