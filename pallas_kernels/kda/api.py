@@ -108,31 +108,34 @@ def _tpu_op(
     initial_state: jax.Array | None,
     cu_seqlens: object | None,
 ) -> tuple[jax.Array, jax.Array]:
+    offsets = None  # a hashable tuple: it is a non-differentiable argument of the custom VJP
     if cu_seqlens is not None:
-        raise NotImplementedError(
-            "implementation='pallas' on TPU: the Mosaic TPU chunk kernel does not take cu_seqlens "
-            "yet; use 'xla' or 'auto'."
-        )
+        offsets = tuple(int(o) for o in host_offsets(cu_seqlens, q.shape[1]))
+    n_states = q.shape[0] if offsets is None else len(offsets) - 1
     if initial_state is None:
-        initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return _tpu_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale)
+        initial_state = jnp.zeros((n_states, q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+    return _tpu_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale, offsets)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _tpu_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _tpu_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale, cu_seqlens):
     """The Mosaic TPU forward, differentiable through the VJP of the exact chunked reference
     (recomputed from the inputs): there is no TPU backward kernel yet."""
-    return tpu_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    return tpu_chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
+    )
 
 
-def _tpu_kda_fwd(q, k, v, g, beta, initial_state, scale):
-    out = tpu_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+def _tpu_kda_fwd(q, k, v, g, beta, initial_state, scale, cu_seqlens):
+    out = tpu_chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
+    )
     return out, (q, k, v, g, beta, initial_state)
 
 
-def _tpu_kda_bwd(scale, inputs, cotangents):
+def _tpu_kda_bwd(scale, cu_seqlens, inputs, cotangents):
     reference = lambda q, k, v, g, beta, s0: chunked_kda(  # noqa: E731
-        q, k, v, g, beta, scale=scale, initial_state=s0
+        q, k, v, g, beta, scale=scale, initial_state=s0, cu_seqlens=cu_seqlens
     )
     _, vjp = jax.vjp(reference, *inputs)
     return vjp(cotangents)

@@ -1,11 +1,16 @@
 """Chunked KDA forward as one Mosaic TPU Pallas kernel, for the lower-bounded ("safe") gate.
 
-Grid ``(B * H, N)`` with ``N = ceil(T / 64)`` chunks: the first axis is parallel, the chunk axis
-is sequential ("arbitrary") and carries the fp32 state ``S [K, V]`` in a VMEM scratch buffer
-(loaded from the initial state at chunk 0, written to the final state at chunk N - 1). Each step
-does a whole chunk (kda.md section 2.1) with [64, *] matmuls only, so everything runs on the MXU
-and no value is sliced or indexed by row (Mosaic tiles are (8, 128); 16-row slices of a [64, 64]
-value would cut lanes):
+Grid ``(H, N)`` over heads (parallel) and the ``N`` chunks of a chunk-aligned token layout
+(sequential, "arbitrary"), which carries the fp32 state ``S [K, V]`` in a VMEM scratch buffer.
+Every sequence starts on a chunk boundary: a batch ``[B, T]`` is B sequences of ``ceil(T / 64)``
+chunks each, packed sequences (``cu_seqlens``) are gathered into the same layout
+(``varlen_layout.py``). Three scalar-prefetched int32 arrays give each chunk its sequence and
+whether it is that sequence's first chunk (load ``initial_state[seq]``) or last (store
+``final_state[seq]``). On TPU a grid is a loop on one core anyway ("parallel" only splits it over
+TensorCores), so serialising the sequences inside one head costs no parallelism, and batched and
+packed inputs share one kernel. Each step does a whole chunk (kda.md section 2.1) with [64, *]
+matmuls only, so everything runs on the MXU and no value is sliced or indexed by row (Mosaic tiles
+are (8, 128); 16-row slices of a [64, 64] value would cut lanes):
 
 * ``G = tril(1) @ g``: the in-chunk cumulative gate as a matmul (no cumsum lowering needed).
 * ``Aqk`` and ``L`` with the midpoint offset per 16-row sub-chunk ``I`` (as ``pallas_kda.py``):
@@ -25,10 +30,10 @@ value would cut lanes):
 * ``W = X (beta k e^G)``, ``U = X (beta v)``, ``v_new = U - W S``, ``o = (scale q e^G) S +
   Aqk v_new``, ``S <- e^{G_last} S + (k e^{G_last - G})^T v_new``.
 
-Every contraction is fp32 with ``Precision.HIGHEST`` (multi-pass MXU), so results match the fp32
-reference whatever the input dtype; bf16 operands for the five large products would be a later
-speed option once timed. Inputs are moved head-major (``[B * H, T, K]``) and padded to whole chunks
-with identity steps (k = v = beta = 0, g = 0) in the wrapper.
+Every contraction is fp32 with ``Precision.HIGHEST`` (multi-pass MXU), so the math is fp32
+whatever the input dtype; bf16 operands for the products with q, k, v and the state (not for the
+inverse) would be a later speed option once timed on hardware. Inputs are padded to whole chunks with identity steps (k = v = beta = 0,
+g = 0) and moved head-major (``[H, tokens, D]``) in the wrapper.
 
 Status: tested only in TPU interpret mode on CPU (``pltpu.InterpretParams``, race detection on)
 and cross-lowered to Mosaic; it has not run on TPU hardware, so ``chunk_kda(implementation=
@@ -41,9 +46,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.kda.reference import host_offsets
+from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
 _F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
@@ -78,10 +87,12 @@ def _unit_lower_inverse(L: jax.Array, ri: jax.Array, ci: jax.Array) -> jax.Array
     return X
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, ht_ref, s_scr, *, scale, n_chunks):
+def _kernel(seq_ref, first_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref,
+            ht_ref, s_scr, *, scale):
+    del seq_ref  # only used by the state index maps
     c = pl.program_id(1)
 
-    @pl.when(c == 0)
+    @pl.when(first_ref[c] == 1)
     def _load_initial_state():
         s_scr[...] = h0_ref[...]
 
@@ -127,45 +138,58 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, ht_ref, s_scr, *, 
     S = decay * S + _mm(kd_t, v_new)
     s_scr[...] = S
 
-    @pl.when(c == n_chunks - 1)
+    @pl.when(last_ref[c] == 1)
     def _store_final_state():
         ht_ref[...] = S
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def _chunk_kda(q, k, v, g, beta, initial_state, *, scale, interpret):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    n = -(-T // C)
-    Tp = n * C
+def _chunk_flags(chunk_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per aligned chunk: its sequence, and 1 where it is that sequence's first / last chunk."""
+    n_chunks = np.diff(chunk_offsets)
+    seq = np.repeat(np.arange(n_chunks.size), n_chunks).astype(np.int32)
+    first = np.zeros(seq.size, np.int32)
+    last = np.zeros(seq.size, np.int32)
+    first[chunk_offsets[:-1][n_chunks > 0]] = 1
+    last[chunk_offsets[1:][n_chunks > 0] - 1] = 1
+    return seq, first, last
 
-    def head_major(x: jax.Array) -> jax.Array:  # [B, T, H, D] -> [B * H, Tp, D], zero padded
-        x = jnp.pad(x, [(0, 0), (0, Tp - T), (0, 0), (0, 0)])
-        return x.transpose(0, 2, 1, 3).reshape(B * H, Tp, x.shape[-1])
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def _aligned_kda(q, k, v, g, beta, initial_state, seq, first, last, *, scale, interpret):
+    """Chunk-aligned inputs [1, Tp, H, D] (Tp a multiple of C), states [N, H, K, V]."""
+    _, Tp, H, K = q.shape
+    V = v.shape[-1]
+    N = initial_state.shape[0]
+
+    def head_major(x: jax.Array) -> jax.Array:  # [1, Tp, H, D] -> [H, Tp, D]
+        return x[0].transpose(1, 0, 2)
 
     qh, kh, vh, gh = (head_major(x) for x in (q, k, v, g.astype(_F32)))
-    bh = head_major(beta.astype(_F32)[..., None])  # [B * H, Tp, 1]
-    s0 = initial_state.astype(_F32).reshape(B * H, K, V)
+    bh = head_major(beta.astype(_F32)[..., None])  # [H, Tp, 1]
 
-    def seq_block(d: int) -> pl.BlockSpec:
-        return pl.BlockSpec((None, C, d), lambda i, c: (i, c, 0))
+    def tok_block(d: int) -> pl.BlockSpec:
+        return pl.BlockSpec((None, C, d), lambda h, c, seq, first, last: (h, c, 0))
 
-    state_block = pl.BlockSpec((None, K, V), lambda i, c: (i, 0, 0))
+    state_block = pl.BlockSpec(
+        (None, None, K, V), lambda h, c, seq, first, last: (seq[c], h, 0, 0)
+    )
     o, ht = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, n_chunks=n),
-        grid=(B * H, n),
-        in_specs=[seq_block(K), seq_block(K), seq_block(V), seq_block(K), seq_block(1),
-                  state_block],
-        out_specs=[seq_block(V), state_block],
-        out_shape=[jax.ShapeDtypeStruct((B * H, Tp, V), v.dtype),
-                   jax.ShapeDtypeStruct((B * H, K, V), _F32)],
-        scratch_shapes=[pltpu.VMEM((K, V), _F32)],
+        functools.partial(_kernel, scale=scale),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(H, Tp // C),
+            in_specs=[tok_block(K), tok_block(K), tok_block(V), tok_block(K), tok_block(1),
+                      state_block],
+            out_specs=[tok_block(V), state_block],
+            scratch_shapes=[pltpu.VMEM((K, V), _F32)],
+        ),
+        out_shape=[jax.ShapeDtypeStruct((H, Tp, V), v.dtype),
+                   jax.ShapeDtypeStruct((N, H, K, V), _F32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="kda_chunk_tpu_safe_gate",
-    )(qh, kh, vh, gh, bh, s0)
-    o = o.reshape(B, H, Tp, V).transpose(0, 2, 1, 3)[:, :T]
-    return o, ht.reshape(B, H, K, V)
+    )(seq, first, last, qh, kh, vh, gh, bh, initial_state.astype(_F32))
+    return o.transpose(1, 0, 2)[None], ht
 
 
 def tpu_chunk_kda(
@@ -177,14 +201,16 @@ def tpu_chunk_kda(
     *,
     scale: float | None = None,
     initial_state: jax.Array | None = None,
+    cu_seqlens: object | None = None,
     interpret=False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked KDA forward on TPU (safe gate: every ``g`` in [-5, 0]; fla conventions).
 
     q, k [B, T, H, K] L2-normalised; v [B, T, H, V]; g [B, T, H, K]; beta [B, T, H];
     initial_state fp32 [B, H, K, V] or None. Returns ``(o [B, T, H, V] in v.dtype, final state
-    fp32 [B, H, K, V])``. ``interpret``: False (compile for TPU), True, or a
-    ``pltpu.InterpretParams`` (TPU simulator on CPU).
+    fp32 [B, H, K, V])``. ``cu_seqlens``: host int offsets [N + 1] of packed sequences (B == 1);
+    then the states are [N, H, K, V] and no state crosses a sequence boundary. ``interpret``:
+    False (compile for TPU), True, or a ``pltpu.InterpretParams`` (TPU simulator on CPU).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -196,13 +222,35 @@ def tpu_chunk_kda(
     if v.shape[:3] != (B, T, H):
         raise ValueError(f"v: expected shape [B, T, H, V] with B, T, H = {(B, T, H)}, "
                          f"got {tuple(v.shape)}")
+    if cu_seqlens is None:
+        n_states, layout_name = B, "[B, H, K, V]"
+        n = -(-T // C)
+        chunk_offsets = np.arange(B + 1, dtype=np.int32) * n
+    else:
+        if B != 1:
+            raise ValueError(f"cu_seqlens: packed sequences need B == 1, got q shape {q.shape}")
+        layout = chunk_layout(host_offsets(cu_seqlens, T), C)
+        chunk_offsets = layout.chunk_offsets
+        n_states, layout_name = chunk_offsets.size - 1, "[N, H, K, V], N = len(cu_seqlens) - 1"
     if initial_state is None:
-        initial_state = jnp.zeros((B, H, K, V), _F32)
-    elif tuple(initial_state.shape) != (B, H, K, V):
-        raise ValueError(f"initial_state: expected shape {(B, H, K, V)} [B, H, K, V], "
+        initial_state = jnp.zeros((n_states, H, K, V), _F32)
+    elif tuple(initial_state.shape) != (n_states, H, K, V):
+        raise ValueError(f"initial_state: expected shape {(n_states, H, K, V)} {layout_name}, "
                          f"got {tuple(initial_state.shape)}")
     scale = K**-0.5 if scale is None else float(scale)
-    return _chunk_kda(q, k, v, g, beta, initial_state, scale=scale, interpret=interpret)
+    flags = tuple(jnp.asarray(a) for a in _chunk_flags(chunk_offsets))
+    if cu_seqlens is None:  # B sequences of n chunks: pad, then merge B into the token axis
+        def aligned(x: jax.Array) -> jax.Array:
+            x = jnp.pad(x, [(0, 0), (0, n * C - T)] + [(0, 0)] * (x.ndim - 2))
+            return x.reshape((1, B * n * C) + x.shape[2:])
+
+        o, ht = _aligned_kda(*map(aligned, (q, k, v, g, beta)), initial_state, *flags,
+                             scale=scale, interpret=interpret)
+        return o.reshape(B, n * C, H, V)[:, :T], ht
+    o, ht = _aligned_kda(*(to_aligned(x, layout) for x in (q, k, v, g, beta)), initial_state,
+                         *flags, scale=scale, interpret=interpret)
+    empty = jnp.asarray(np.diff(chunk_offsets) == 0)[:, None, None, None]
+    return from_aligned(o, layout), jnp.where(empty, initial_state, ht)  # unvisited: unchanged
 
 
 __all__ = ["tpu_chunk_kda"]

@@ -1,5 +1,6 @@
 """Mosaic TPU chunked KDA forward under the TPU interpreter (CPU, race detection on) vs the fp32
-references; the api's TPU dispatch with jax.default_backend patched to "tpu"."""
+references, batched and packed (cu_seqlens); the api's TPU dispatch with jax.default_backend
+patched to "tpu"."""
 
 from __future__ import annotations
 
@@ -116,12 +117,48 @@ def test_two_cores_race_free() -> None:
     assert _no_races()
 
 
+def packed(lens: tuple[int, ...], seed: int) -> tuple[dict[str, jax.Array], np.ndarray]:
+    """Packed [1, T, ...] inputs with per-sequence initial states [N, H, K, V]."""
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    x = make_inputs(int(cu[-1]), seed=seed, batch=1)
+    x["s0"] = make_inputs(1, seed=seed + 1, batch=len(lens))["s0"]
+    return x, cu
+
+
+@pytest.mark.parametrize("lens", [(1, 63, 64, 65, 130), (130, 0, 1), (5,)])
+def test_packed_sequences_match_reference(lens: tuple[int, ...]) -> None:
+    x, cu = packed(lens, seed=sum(lens))
+    o, s = tpu_chunk_kda(*_args(x), initial_state=x["s0"], cu_seqlens=cu, interpret=INTERP)
+    ref_o, ref_s = chunked_kda(*_args(x), scale=K**-0.5, initial_state=x["s0"], cu_seqlens=cu)
+    assert o.shape == (1, cu[-1], H, V) and s.shape == (len(lens), H, K, V)
+    assert rel(o, ref_o) <= 1e-5 and rel(s, ref_s) <= 1e-5
+    assert _no_races()
+
+
+def test_packed_sequences_equal_separate_runs() -> None:
+    """No state crosses a boundary: each packed sequence's output and state are its own run's."""
+    lens = (70, 1, 64, 3)
+    x, cu = packed(lens, seed=21)
+    o, s = tpu_chunk_kda(*_args(x), initial_state=x["s0"], cu_seqlens=cu, interpret=INTERP)
+    for i in range(len(lens)):
+        piece = [a[:, cu[i]:cu[i + 1]] for a in _args(x)]
+        o_i, s_i = tpu_chunk_kda(*piece, initial_state=x["s0"][i:i + 1], interpret=INTERP)
+        assert rel(o[:, cu[i]:cu[i + 1]], o_i) <= 1e-6, i
+        assert rel(s[i], s_i[0]) <= 1e-6, i
+
+
 def test_validation() -> None:
     x = make_inputs(8, seed=0)
     with pytest.raises(ValueError, match=r"^beta: expected shape \(2, 8, 2\)"):
         tpu_chunk_kda(*_args(x)[:4], x["beta"][:, :, :1], interpret=INTERP)
     with pytest.raises(ValueError, match=r"^initial_state: expected shape"):
         tpu_chunk_kda(*_args(x), initial_state=x["s0"][:1], interpret=INTERP)
+    with pytest.raises(ValueError, match=r"^cu_seqlens:.*B == 1"):
+        tpu_chunk_kda(*_args(x), cu_seqlens=np.array([0, 8]), interpret=INTERP)
+    one = [a[:1] for a in _args(x)]
+    with pytest.raises(ValueError, match=r"^initial_state: .*\[N, H, K, V\]"):
+        tpu_chunk_kda(*one, initial_state=x["s0"][:1], cu_seqlens=np.array([0, 3, 8]),
+                      interpret=INTERP)
 
 
 def test_lowers_to_mosaic_tpu() -> None:
@@ -137,28 +174,25 @@ def test_lowers_to_mosaic_tpu() -> None:
     assert "tpu_custom_call" in lowered.as_text()
 
 
-def test_api_pallas_on_tpu_uses_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On TPU, chunk_kda(implementation="pallas") runs this kernel (here in the TPU interpreter)
-    and is differentiable; "auto" keeps the XLA reference; cu_seqlens is rejected by name."""
+@pytest.mark.parametrize("varlen", [False, True])
+def test_api_pallas_on_tpu_uses_it(monkeypatch: pytest.MonkeyPatch, varlen: bool) -> None:
+    """On TPU, chunk_kda(implementation="pallas") runs this kernel (here in the TPU interpreter),
+    with or without cu_seqlens, and is differentiable; "auto" keeps the XLA reference."""
     monkeypatch.setattr(api.jax, "default_backend", lambda: "tpu")
     assert api._select("pallas", LB) is api._tpu_op
     assert api._select("auto", LB) is chunked_kda
-    x = make_inputs(65, seed=4)
+    x, cu = packed((30, 35), seed=4) if varlen else (make_inputs(65, seed=4), None)
     cot = jax.random.normal(jax.random.key(0), x["v"].shape)
 
     def loss(implementation, q, k, v, g, beta, s0):
         o, s = api.chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                             implementation=implementation, lower_bound=LB)
+                             cu_seqlens=cu, implementation=implementation, lower_bound=LB)
         return jnp.sum(o * cot) + jnp.sum(s * s0)
 
     args = (*_args(x), x["s0"])
     with pltpu.force_tpu_interpret_mode(INTERP):
         got = loss("pallas", *args)
         grads = jax.grad(lambda *a: loss("pallas", *a), argnums=(0, 5))(*args)
-        one = [a[:1] for a in _args(x)]
-        with pytest.raises(NotImplementedError, match="cu_seqlens"):
-            api.chunk_kda(*one, implementation="pallas", lower_bound=LB,
-                          cu_seqlens=np.array([0, 30, 65]))
     assert rel(got, loss("xla", *args)) <= 1e-5
     expected = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 5))(*args)
     for got_g, want_g in zip(grads, expected):
