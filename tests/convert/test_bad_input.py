@@ -69,3 +69,15 @@ def test_non_finite_weights_are_reported_by_tensor_name(tmp_path, golden_dir, go
         k3jax.from_pretrained(out)
     with pytest.raises(CheckpointError, match=message):
         k3jax.from_pretrained(source)  # the direct loader shares the check
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16, np.float64])
+def test_finite_check_on_the_bits_agrees_with_isfinite(dtype):
+    from k3jax.convert.transform import _all_finite
+
+    values = np.random.default_rng(0).standard_normal(300_001).astype(dtype)
+    assert _all_finite(values) and _all_finite(values[::2])
+    for bad in (np.nan, np.inf, -np.inf):
+        poisoned = values.copy()
+        poisoned[299_999] = bad
+        assert not _all_finite(poisoned) and not _all_finite(poisoned.reshape(1, -1))

@@ -126,15 +126,26 @@ def test_packed_experts_need_an_mxfp4_release(tmp_path, golden_dir, golden_tenso
 Q_NAME = "language_model.model.layers.2.self_attn.q_proj.weight"
 
 
+@pytest.mark.parametrize("shared_buffer_short_reads", [False, True])
 @pytest.mark.parametrize(("dtype", "experts"), [("bfloat16", "mxfp4"), ("bfloat16", "bf16"), ("float32", None)])
-def test_item_reads_in_file_order_equal_the_per_leaf_reference(golden_dir, dtype, experts, monkeypatch):
-    """The converter's coalesced, file-ordered reads and table MXFP4 decode == `materialize`, bit for bit."""
+def test_item_reads_in_file_order_equal_the_per_leaf_reference(golden_dir, dtype, experts, shared_buffer_short_reads,
+                                                               monkeypatch):
+    """The converter's coalesced, file-ordered reads and table MXFP4 decode == `materialize`, bit for bit,
+    also into one dirty buffer reused by every item, and when the kernel returns short reads."""
+    import os
+
     from k3jax.convert import transform
 
     planned = plan_conversion(golden_dir, dtype=dtype, experts=experts)
     monkeypatch.setattr(transform, "READ_RUN_BYTES", 40_000)  # several runs per shard, tensors split across
+    monkeypatch.setattr(transform, "_IOV_MAX", 3)  # several preadv calls per run
+    buffer = None
+    if shared_buffer_short_reads:
+        preadv = os.preadv
+        monkeypatch.setattr(transform.os, "preadv", lambda fd, views, at: preadv(fd, [views[0][:777]], at))
+        buffer = np.full(max(transform.item_buffer_bytes(item) for item in planned.plan.items), 0xA5, np.uint8)
     for item in planned.plan.items:
-        got = transform.materialize_item(item, planned.index)
+        got = transform.materialize_item(item, planned.index, buffer)
         assert list(got) == [leaf.target for leaf in item.leaves]
         for leaf in item.leaves:
             want = transform.materialize(leaf, planned.index)
