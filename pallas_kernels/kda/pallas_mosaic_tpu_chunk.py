@@ -32,8 +32,10 @@ are (8, 128); 16-row slices of a [64, 64] value would cut lanes):
 
 Every contraction is fp32 with ``Precision.HIGHEST`` (multi-pass MXU), so the math is fp32
 whatever the input dtype; bf16 operands for the products with q, k, v and the state (not for the
-inverse) would be a later speed option once timed on hardware. Inputs are padded to whole chunks with identity steps (k = v = beta = 0,
-g = 0) and moved head-major (``[H, tokens, D]``) in the wrapper.
+inverse) would be a later speed option once timed on hardware. Transposed operands are left to
+the matmul (``dot_general`` dimension numbers), never materialised. Inputs are padded to whole
+chunks with identity steps (k = v = beta = 0, g = 0) and moved head-major (``[H, tokens, D]``) in
+the wrapper.
 
 Status: tested only in TPU interpret mode on CPU (``pltpu.InterpretParams``, race detection on)
 and cross-lowered to Mosaic; it has not run on TPU hardware, so ``chunk_kda(implementation=
@@ -61,9 +63,10 @@ BC = 16  # sub-chunk sharing one midpoint offset
 _CLAMP = 40.0  # column-factor exponent clamp; needed values are <= 35 when g >= -5
 
 
-def _mm(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
-    """a @ b (or a @ b^T), fp32 operands and accumulation at full precision."""
-    dims = ((1,), (1,) if trans_b else (0,))
+def _mm(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
+    """a @ b with either operand transposed inside the contraction (Mosaic fuses the transpose
+    into the matmul; no explicit relayout), fp32 operands and accumulation at full precision."""
+    dims = ((0,) if trans_a else (1,), (1,) if trans_b else (0,))
     return lax.dot_general(a, b, (dims, ((), ())), precision=(_HI, _HI),
                            preferred_element_type=_F32)
 
@@ -133,9 +136,11 @@ def _kernel(seq_ref, first_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_
     S = s_scr[...]
     v_new = U - _mm(W, S)
     o_ref[...] = (_mm(q * eG, S) + _mm(Aqk, v_new)).astype(o_ref.dtype)
-    kd_t = (k * jnp.exp(G_last - G)).T  # [K, C], decayed to the chunk end; exponent <= 0
-    decay = jnp.exp(jnp.sum(g.T, axis=1, keepdims=True))  # e^{G_last} as a [K, 1] column
-    S = decay * S + _mm(kd_t, v_new)
+    kd = k * jnp.exp(G_last - G)  # decayed to the chunk end; exponent <= 0
+    # e^{G_last} along the state's K rows: G_last as a [K, V] matrix from g^T @ ones (a column
+    # vector would need a lane-to-sublane relayout).
+    decay = jnp.exp(_mm(g, jnp.ones((C, S.shape[1]), _F32), trans_a=True))
+    S = decay * S + _mm(kd, v_new, trans_a=True)
     s_scr[...] = S
 
     @pl.when(last_ref[c] == 1)
