@@ -251,13 +251,14 @@ def run_jax():
         A, W, U, aqk, qg, kd, gl = pb.stage_parts(q, k, v, g, beta, scale=scale, **tun(4, 1))
         hs = pb.stage_states(W, U, kd, gl, h0, block_v=64, **tun(4, 1))
         dhs, dvn, _ = pb.stage_dstates(qg, W, aqk, kd, gl, do, dht, block_v=64, **tun(4, 1))
-        for nw, ns in ((4, 1), (8, 1), (8, 2)):
-            attempt(r, f"stage_grads_w{nw}_s{ns}_ms", lambda nw=nw, ns=ns: bench(
-                lambda *a: pb.stage_grads(*a, scale=scale, **tun(nw, ns)),
+        for gbv, nw, ns in ((32, 4, 1), (64, 4, 1), (32, 8, 1), (64, 8, 2), (128, 8, 1)):
+            attempt(r, f"stage_grads_bv{gbv}_w{nw}_s{ns}_ms", lambda gbv=gbv, nw=nw, ns=ns: bench(
+                lambda *a: pb.stage_grads(*a, scale=scale, block_v=gbv, **tun(nw, ns)),
                 (q, k, v, g, beta, A, W, U, hs, dhs, do, dvn)))
+            save(res, out)
+        for nw, ns in ((4, 1), (8, 1)):
             attempt(r, f"stage_parts_w{nw}_s{ns}_ms", lambda nw=nw, ns=ns: bench(
                 lambda *a: pb.stage_parts(*a, scale=scale, **tun(nw, ns)), (q, k, v, g, beta)))
-            save(res, out)
         for bv, nw in ((64, 4), (32, 4), (128, 8)):
             attempt(r, f"stage_states_bv{bv}_w{nw}_ms", lambda bv=bv, nw=nw: bench(
                 lambda *a: pb.stage_states(*a, block_v=bv, **tun(nw, 1)), (W, U, kd, gl, h0)))

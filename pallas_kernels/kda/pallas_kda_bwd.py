@@ -1,10 +1,10 @@
 """Analytic backward of the safe-gate chunked KDA as Pallas kernels (Triton lowering on GPU).
 
-The same three passes as ``chunk_backward.py`` (whose per-chunk algebra, ``chunk_math.py``, each
-kernel body calls on whole 64-token tiles), as four ``pl.pallas_call``s:
+The same three passes as ``chunk_backward.py`` (whose per-chunk algebra, ``chunk_math.py``, the
+gradient kernel calls on whole 64-token tiles), as five ``pl.pallas_call``s:
 
-1. ``_parts_kernel``, grid ``(B, H, N)``, parallel: recompute the chunk's A = (I + L)^{-1}, W, U,
-   Aqk, Qg, Kd and decay gl from q, k, v, g, beta.
+1. ``stage_parts``, grid ``(B, H, N)``, parallel: recompute the chunk's A = (I + L)^{-1}, W, U,
+   Aqk, Qg, Kd and decay gl from q, k, v, g, beta with the forward's own intra kernels.
 2. ``_states_kernel``, grid ``(B, H, V / BV)``: the forward state recurrence again with the fp32
    state ``[K, BV]`` on chip, storing every chunk's input state ``h``.
 3. ``_dstates_kernel``, grid ``(B, H, V / BV)``: the reverse recurrence with ``dS`` on chip:
@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_math import C, chunk_parts, dot, key_grads, value_terms
+from pallas_kernels.kda.chunk_math import C, dot, key_grads, value_terms
+from pallas_kernels.kda.pallas_kda import _intra_solve_kernel, _intra_wu_kernel
 
 try:  # Triton compiler params (GPU only); interpret mode ignores them.
     from jax.experimental.pallas import triton as pl_triton
@@ -36,21 +37,6 @@ except ImportError:  # pragma: no cover
     pl_triton = None
 
 _F32 = jnp.float32
-
-
-def _parts_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, aqk_ref, qg_ref,
-                  kd_ref, gl_ref, *, scale, mm_dtype):
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    ts = pl.ds(c * C, C)
-    p = chunk_parts(
-        q_ref[b, ts, h, :].astype(_F32) * scale, k_ref[b, ts, h, :].astype(_F32),
-        v_ref[b, ts, h, :].astype(_F32), g_ref[b, ts, h, :].astype(_F32),
-        b_ref[b, ts, h].astype(_F32), mm_dtype,
-    )
-    for ref, name in ((a_ref, "A"), (w_ref, "W"), (u_ref, "U"), (aqk_ref, "Aqk"), (qg_ref, "Qg"),
-                      (kd_ref, "Kd")):
-        ref[b, ts, h, :] = p[name].astype(ref.dtype)
-    gl_ref[b, c, h, :] = jnp.sum(p["gl"], axis=0)
 
 
 def _states_kernel(w_ref, u_ref, kd_ref, gl_ref, h0_ref, hs_ref, *, n_chunks, bv, mm_dtype):
@@ -137,19 +123,32 @@ _TUNING = ("interpret", "num_warps", "num_stages")
 
 @functools.partial(jax.jit, static_argnames=("scale",) + _TUNING)
 def stage_parts(q, k, v, g, beta, *, scale, interpret, num_warps, num_stages):
-    """Pass 1: ``(A, W, U, Aqk, Qg, Kd, gl)`` of every chunk."""
+    """Pass 1: ``(A, W, U, Aqk, Qg, Kd, gl)`` of every chunk.
+
+    The forward's own intra stage (``pallas_kda``'s ``intra="split"`` kernels: 16-row sub-chunks,
+    block inverse), so W, U, Aqk, Qg, Kd are the forward's values bit for bit; A is the
+    ``(I + L)^{-1}`` that its first kernel already writes.
+    """
     B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
     V, n = v.shape[-1], Tp // C
     mm_dtype, sd = _dtypes(v)
     sds = jax.ShapeDtypeStruct
-    return pl.pallas_call(
-        functools.partial(_parts_kernel, scale=scale, mm_dtype=mm_dtype),
+    params = _params(interpret, num_warps, num_stages)
+    A, bk, qg, kd, aqk, gl = pl.pallas_call(
+        functools.partial(_intra_solve_kernel, scale=scale, mm_dtype=mm_dtype, fused=False,
+                          lower_bound=0.0),
         grid=(B, H, n),
-        out_shape=(sds((B, Tp, H, C), sd), sds((B, Tp, H, K), sd), sds((B, Tp, H, V), sd),
-                   sds((B, Tp, H, C), sd), sds((B, Tp, H, K), sd), sds((B, Tp, H, K), sd),
-                   sds((B, n, H, K), _F32)),
-        interpret=interpret, name="kda_bwd_parts", **_params(interpret, num_warps, num_stages),
-    )(q, k, v, g, beta)
+        out_shape=(sds((B, Tp, H, C), sd), sds((B, Tp, H, K), sd), sds((B, Tp, H, K), sd),
+                   sds((B, Tp, H, K), sd), sds((B, Tp, H, C), sd), sds((B, n, H, K), _F32)),
+        interpret=interpret, name="kda_bwd_intra_solve", **params,
+    )(q, k, g, beta)
+    W, U = pl.pallas_call(
+        functools.partial(_intra_wu_kernel, mm_dtype=mm_dtype, fused=False),
+        grid=(B, H, n),
+        out_shape=(sds((B, Tp, H, K), sd), sds((B, Tp, H, V), sd)),
+        interpret=interpret, name="kda_bwd_intra_wu", **params,
+    )(A, bk, v, beta)
+    return A, W, U, aqk, qg, kd, gl
 
 
 @functools.partial(jax.jit, static_argnames=("block_v",) + _TUNING)

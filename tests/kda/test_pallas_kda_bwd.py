@@ -1,8 +1,10 @@
 """The Pallas KDA backward kernels (interpret mode on CPU) against the pure-JAX analytic backward.
 
-Both run the same per-chunk algebra (``chunk_math.py``), so fp32 results differ only by the order
-of reductions (the V loop): <= 1e-7, except dg (a reverse cumsum of sums) at ~1e-6. The pure-JAX
-backward itself is tested against autodiff of the references in ``test_chunk_backward.py``.
+The kernels recompute the chunk quantities with the forward's own intra kernels (16-row blocks,
+G_last summed directly) while the pure-JAX backward uses whole-chunk algebra and G_last = the last
+row of the cumsum, exactly like the reference. With in-chunk log decays |G| up to ~160, fp32
+rounding of those two sums moves exp(G_last - G) by ~|G| * 6e-8 ~ 1e-5 relative, so the two agree
+to 2e-5 (measured <= 1e-5; both are within that of autodiff of the reference).
 block_v = grads_block_v = 8 < V = 24 exercises the V split of the state recurrences and the V loop
 of the gradient kernel.
 """
@@ -29,7 +31,7 @@ def test_matches_pure_jax_backward(T: int, with_state: bool) -> None:
     got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, interpret=True, block_v=8, grads_block_v=8)
     for name, a, b in zip(NAMES, got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert rel(a, b) <= 3e-6, name
+        assert rel(a, b) <= 2e-5, name
 
 
 def test_bf16_matches_pure_jax_backward() -> None:
