@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
@@ -28,9 +29,10 @@ from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex
 from k3jax.config import K3Config
 from k3jax.convert.plan import ConversionPlan, abstract_model, build_plan, source_experts_are_mxfp4
 from k3jax.convert.store import (
-    COMPLETE, FORMAT, MANIFEST, VERSION, ItemStore, leaf_record, mark_complete, read_manifest, write_manifest,
+    CHECKSUM, COMPLETE, FORMAT, MANIFEST, VERSION, ItemStore, leaf_record, mark_complete, read_manifest,
+    write_manifest,
 )
-from k3jax.convert.transform import materialize_item
+from k3jax.convert.transform import item_buffer_bytes, materialize_item
 from k3jax.convert.verify import LOGITS_CHECK_MAX_BYTES, check_logits, find_bad_items
 from k3jax.model import K3Model
 
@@ -81,8 +83,14 @@ def plan_conversion(hf_dir: str | Path, *, dtype: str = "bfloat16", experts: str
 def convert(
     hf_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16", experts: str | None = None,
     resume: bool = False, verify: bool = False, progress: bool = True, mesh: str | Mesh | None = None,
+    sync: bool = True,
 ) -> ConvertResult:
     """Convert `hf_dir` into `out_dir`; with `resume`, continue an interrupted conversion there.
+
+    `sync=False` commits items without waiting for their data to reach the disk (as `cp` does): a
+    killed conversion still resumes exactly, but one cut short by a crash or power loss of the machine
+    may have committed items whose data never reached the disk (`--verify` finds them). It saves the
+    time of writing everything to the disk, when that is slower than converting.
 
     With `mesh` ("expert=8" or a Mesh, over every process's devices) each process reads and writes
     only its devices' slices (`sharded`); the output is the same."""
@@ -100,39 +108,58 @@ def convert(
     todo = [item for item in planned.plan.items if item.name not in manifest["items"]]
     done_bytes = planned.plan.nbytes - sum(item.nbytes for item in todo)
 
-    def prepare(item):
-        return materialize_item(item, planned.index)
+    def prepare(i):
+        return materialize_item(todo[i], planned.index, buffers[i % len(buffers)])
 
-    # Three things overlap (file reads, sha256, numpy copies and TensorStore writes release the GIL):
-    # item i+1 is read and transformed while item i is checksummed and written by Orbax. Commit order,
-    # and so what a kill leaves behind, is unchanged; a bad tensor in item i+1 fails once item i is
-    # committed. Memory: two items in flight (one when the largest item is over a quarter of RAM).
+    def commit(item, records):
+        store.commit(item.name, sync=sync)
+        manifest["items"][item.name] = records.result()
+        write_manifest(root, manifest)
+        bar.update(item.nbytes)
+
+    # Four stages overlap (reads, crc32, TensorStore writes and fsync all release the GIL): item i+1 is
+    # read while item i is checksummed (on all cores) and written to the page cache, and item i-1 is
+    # fsynced and committed. Commits run in order on one thread, so what a kill leaves behind is
+    # unchanged; a bad tensor in item i+1 fails once item i is committed. Memory: two items in flight
+    # (one when the largest item is over a quarter of RAM); an item being fsynced holds no arrays.
     with tqdm(total=planned.plan.nbytes, initial=done_bytes, unit="B", unit_scale=True, unit_divisor=1024,
               desc="convert", disable=not progress, dynamic_ncols=True) as bar, \
             ThreadPoolExecutor(1, thread_name_prefix="k3jax-convert-read") as reader, \
-            ThreadPoolExecutor(1, thread_name_prefix="k3jax-convert-sha256") as hasher:
+            ThreadPoolExecutor(1, thread_name_prefix="k3jax-convert-checksum") as hasher, \
+            ThreadPoolExecutor(1, thread_name_prefix="k3jax-convert-commit") as committer:
         read_ahead = _may_read_ahead(planned.plan)
-        upcoming = reader.submit(prepare, todo[0]) if todo else None
+        # Items are read into the same two buffers (one without read-ahead) in turn: item i+2 reuses
+        # item i's once that is written and checksummed, so memory is touched once, not per item.
+        size = max((item_buffer_bytes(item) for item in todo), default=0)
+        buffers = [np.empty(size, np.uint8) for _ in range(2 if read_ahead else 1)]
+        upcoming = reader.submit(prepare, 0) if todo else None
+        hashed = committed = None
         for i, item in enumerate(todo):
             bar.set_postfix_str(item.name)
             leaves = upcoming.result()
-            if not read_ahead:
-                upcoming = None
-            elif i + 1 < len(todo):
-                upcoming = reader.submit(prepare, todo[i + 1])
-            records = hasher.submit(lambda: {name: leaf_record(array) for name, array in leaves.items()})
-            store.save(item.name, leaves)
-            manifest["items"][item.name] = records.result()
-            write_manifest(root, manifest)
+            if hashed is not None:
+                hashed.result()  # the previous item's arrays are free once it is checksummed
+            upcoming = reader.submit(prepare, i + 1) if read_ahead and i + 1 < len(todo) else None
+            hashed = hasher.submit(_leaf_records, leaves)
+            store.write(item.name, leaves)
             del leaves
-            bar.update(item.nbytes)
+            if committed is not None:
+                committed.result()  # one commit in flight; a failed one stops the conversion here
+            committed = committer.submit(commit, item, hashed)
             if not read_ahead and i + 1 < len(todo):
-                upcoming = reader.submit(prepare, todo[i + 1])
+                hashed.result()
+                upcoming = reader.submit(prepare, i + 1)
+        if committed is not None:
+            committed.result()
     if verify:
         _verify(root, store, planned, manifest)
     mark_complete(root)
     return ConvertResult(root, len(todo), len(planned.plan.items) - len(todo), planned.plan.nbytes,
                          time.perf_counter() - start)
+
+
+def _leaf_records(leaves: dict) -> dict:
+    return {name: leaf_record(array) for name, array in leaves.items()}
 
 
 def _may_read_ahead(plan: ConversionPlan) -> bool:
@@ -162,7 +189,7 @@ def _open_output(root: Path, planned: PlannedConversion, resume: bool) -> dict:
                 )
     else:
         root.mkdir(parents=True, exist_ok=True)
-        manifest = {"format": FORMAT, "version": VERSION, **planned.settings,
+        manifest = {"format": FORMAT, "version": VERSION, "checksum": CHECKSUM, **planned.settings,
                     "source": str(planned.hf_dir.resolve()), "items": {}}
         write_manifest(root, manifest)
     (root / "config.json").write_bytes((planned.hf_dir / "config.json").read_bytes())

@@ -1,10 +1,10 @@
 """`--verify`: re-read what was written and compare it with the source, leaf by leaf.
 
-Each leaf's sha256 is computed three ways — from the source transform, from the restored Orbax
-item, and as recorded in the manifest at write time — and all three must agree. When the model is
-small enough to hold twice, the converted model's logits on a few tokens must also equal, bit for
-bit, those of the model built straight from the release with its experts decoded (so a packed
-conversion is checked against the dense model, not against itself).
+Each leaf's checksum (crc32, see `checksum`) is computed three ways — from the source transform,
+from the restored Orbax item, and as recorded in the manifest at write time — and all three must
+agree. When the model is small enough to hold twice, the converted model's logits on a few tokens
+must also equal, bit for bit, those of the model built straight from the release with its experts
+decoded (so a packed conversion is checked against the dense model, not against itself).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex
 from k3jax.convert.assemble import assemble_model
 from k3jax.convert.load import load_items
 from k3jax.convert.plan import ConversionPlan, abstract_model, build_plan
-from k3jax.convert.store import ItemStore, leaf_record
+from k3jax.convert.store import CHECKSUM, ItemStore, leaf_record
 from k3jax.convert.transform import materialize
 
 LOGITS_CHECK_MAX_BYTES = 1 << 30
@@ -51,7 +51,7 @@ def find_bad_items(store: ItemStore, plan: ConversionPlan, index: CheckpointInde
 def _short(record: dict | None) -> str:
     if record is None:
         return "absent"
-    return f"{record['dtype']}{record['shape']} sha256 {record['sha256'][:12]}"
+    return f"{record['dtype']}{record['shape']} {CHECKSUM} {record.get(CHECKSUM)}"
 
 
 def check_logits(out_dir: Path, manifest: dict, cfg, index: CheckpointIndex) -> None:

@@ -13,7 +13,8 @@ import pytest
 import k3jax
 from k3jax.checkpoint import CheckpointError
 from k3jax.convert import convert
-from k3jax.convert.store import COMPLETE, ITEMS, MANIFEST
+from k3jax.convert import store
+from k3jax.convert.store import COMPLETE, ITEMS, MANIFEST, mark_complete
 from tests.convert.conftest import k3jax_command, subprocess_env
 
 
@@ -71,3 +72,29 @@ def test_resume_refuses_a_directory_that_is_not_a_conversion(tmp_path, golden_di
     (tmp_path / "notes.txt").write_text("unrelated")
     with pytest.raises(CheckpointError, match="has no manifest.json: there is no conversion to resume"):
         convert(golden_dir, tmp_path, resume=True, progress=False)
+
+
+def test_resume_refuses_an_older_manifest_version_which_still_loads(tmp_path, golden_dir):
+    out = tmp_path / "out"
+    convert(golden_dir, out, progress=False)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert (manifest["version"], manifest["checksum"]) == (2, "crc32")
+    manifest["version"] = 1
+    del manifest["checksum"]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    (out / COMPLETE).unlink()
+    with pytest.raises(CheckpointError, match=r"manifest.json: a k3jax-converted v1 manifest \(checksums: sha256\); "
+                                              r"this converter resumes only v2 \(crc32\) conversions"):
+        convert(golden_dir, out, resume=True, progress=False)
+    mark_complete(out)
+    k3jax.from_pretrained(out)  # loading reads only shapes and dtypes, which v1 records too
+
+
+def test_unsynced_conversion_commits_the_same_items_without_fsync(tmp_path, golden_dir, monkeypatch):
+    convert(golden_dir, tmp_path / "synced", progress=False)
+    synced: list = []
+    monkeypatch.setattr(store, "_fsync", synced.append)
+    convert(golden_dir, tmp_path / "unsynced", sync=False, progress=False)
+    assert synced == []
+    items = [json.loads((tmp_path / name / MANIFEST).read_text())["items"] for name in ("synced", "unsynced")]
+    assert items[0] == items[1]
