@@ -62,47 +62,56 @@ def causal_masks() -> tuple[jax.Array, jax.Array]:
     return ri >= ci, ri > ci
 
 
-def decay_factors(G: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
-    """``exp(G_r - G_m(r))`` [C, K] and, per sub-chunk I, ``exp(min(G_m(I) - G_i, 40))`` [C, K]."""
+def _midpoints(G: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    """Each row's sub-chunk midpoint ``G_m(r)`` [C, K] and the four midpoints [1, K]."""
     mids = [_row(G, i * BC + MID) for i in range(NC)]
     block = _block_of(_iota(G.shape, 0))
     g_mid = mids[0]
     for i in range(1, NC):
         g_mid = jnp.where(block == i, mids[i], g_mid)
-    return jnp.exp(G - g_mid), [jnp.exp(jnp.minimum(m - G, _CLAMP)) for m in mids]
+    return g_mid, mids
+
+
+def _col_factor(G: jax.Array, mid: jax.Array) -> jax.Array:
+    """``exp(min(G_m - G_i, 40))`` [C, K]: finite also for the masked columns ``i > r``."""
+    return jnp.exp(jnp.minimum(mid - G, _CLAMP))
 
 
 def _row_block(M: jax.Array, i: int) -> jax.Array:
     return jnp.where(_block_of(_iota(M.shape, 0)) == i, M, 0.0)
 
 
-def pair_scores(x, y, row_fac, col_facs, mm_dtype) -> jax.Array:
+def pair_scores(x, y, G, mm_dtype) -> jax.Array:
     """P[r, i] = sum_d x_r[d] y_i[d] exp(G_r[d] - G_i[d]) for i <= r (upper triangle: garbage)."""
-    xr = x * row_fac
+    g_mid, mids = _midpoints(G)
+    xr = x * jnp.exp(G - g_mid)
     out = None
-    for i, cf in enumerate(col_facs):
-        p = _row_block(dot(xr, y * cf, mm_dtype, trans_b=True), i)
+    for i, mid in enumerate(mids):
+        p = _row_block(dot(xr, y * _col_factor(G, mid), mm_dtype, trans_b=True), i)
         out = p if out is None else out + p
     return out
 
 
-def pair_row_grad(M, y, row_fac, col_facs, mm_dtype) -> jax.Array:
-    """d/dx_r of sum M * P(x, y): sum_i M[r, i] y_i exp(G_r - G_i); M must be lower triangular."""
-    out = None
-    for i, cf in enumerate(col_facs):
-        p = dot(_row_block(M, i), y * cf, mm_dtype)
-        out = p if out is None else out + p
-    return row_fac * out
+def pair_grads(dL, dAqk, k, bk, qs, G, mm_dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Back through ``L = b_r P(k, k)`` and ``Aqk = P(qs, k)`` (lower-triangular dL, dAqk).
 
-
-def pair_col_grad(M, x, row_fac, col_facs, mm_dtype) -> jax.Array:
-    """d/dy_i of sum M * P(x, y): sum_r M[r, i] x_r exp(G_r - G_i); M must be lower triangular."""
-    xr = x * row_fac
-    out = None
-    for i, cf in enumerate(col_facs):
-        p = cf * dot(_row_block(M, i), xr, mm_dtype, trans_a=True)
-        out = p if out is None else out + p
-    return out
+    Returns ``(rk, rq, c)``: ``rk[r] = sum_i dL[r, i] k_i e^{G_r - G_i}`` (the row side of P(k, k),
+    without b_r), ``rq`` the same with dAqk, and the column side of both,
+    ``c[i] = sum_r (dL[r, i] b_r k_r + dAqk[r, i] qs_r) e^{G_r - G_i}``. One column factor per
+    sub-chunk, made when needed, so at most one [C, K] factor is live.
+    """
+    g_mid, mids = _midpoints(G)
+    rf = jnp.exp(G - g_mid)
+    bkr, qsr = bk * rf, qs * rf
+    rk = rq = c = None
+    for i, mid in enumerate(mids):
+        cf = _col_factor(G, mid)
+        kc = k * cf
+        mL, mA = _row_block(dL, i), _row_block(dAqk, i)
+        prk, prq = dot(mL, kc, mm_dtype), dot(mA, kc, mm_dtype)
+        pc = cf * (dot(mL, bkr, mm_dtype, trans_a=True) + dot(mA, qsr, mm_dtype, trans_a=True))
+        rk, rq, c = (prk, prq, pc) if rk is None else (rk + prk, rq + prq, c + pc)
+    return rf * rk, rf * rq, c
 
 
 def unit_lower_inverse(L: jax.Array) -> jax.Array:
@@ -139,10 +148,9 @@ def chunk_parts(qs, k, v, g, beta, mm_dtype) -> dict[str, jax.Array]:
     causal, strict = causal_masks()
     G = jnp.cumsum(g, axis=0)
     G_last = _row(G, C - 1)
-    row_fac, col_facs = decay_factors(G)
     b = beta[:, None]
-    L = jnp.where(strict, b * pair_scores(k, k, row_fac, col_facs, mm_dtype), 0.0)
-    aqk = jnp.where(causal, pair_scores(qs, k, row_fac, col_facs, mm_dtype), 0.0)
+    L = jnp.where(strict, b * pair_scores(k, k, G, mm_dtype), 0.0)
+    aqk = jnp.where(causal, pair_scores(qs, k, G, mm_dtype), 0.0)
     A = unit_lower_inverse(L)
     eg = jnp.exp(G)
     return dict(
@@ -181,7 +189,6 @@ def key_grads(qs, k, g, beta, A, W, sums: dict, mm_dtype):
     causal, strict = causal_masks()
     G = jnp.cumsum(g, axis=0)
     G_last = _row(G, C - 1)
-    row_fac, col_facs = decay_factors(G)
     b = beta[:, None]
     eg = jnp.exp(G)
     ed = jnp.exp(G_last - G)
@@ -193,17 +200,14 @@ def key_grads(qs, k, g, beta, A, W, sums: dict, mm_dtype):
     dL = jnp.where(strict, -dot(yw, W, mm_dtype, trans_b=True) - sums["dLU"], 0.0)
     kg = k * eg
 
-    # L = b_r P(k, k): row side taken with dL (gives dbeta), column side with b_r dL.
-    rk = pair_row_grad(dL, k, row_fac, col_facs, mm_dtype)
-    ck = pair_col_grad(dL, b * k, row_fac, col_facs, mm_dtype)
-    rq = pair_row_grad(dAqk, k, row_fac, col_facs, mm_dtype)
-    cq = pair_col_grad(dAqk, qs, row_fac, col_facs, mm_dtype)
+    # L = b_r P(k, k): its row side taken with dL (gives dbeta), column side with b_r dL.
+    rk, rq, c = pair_grads(dL, dAqk, k, b * k, qs, G, mm_dtype)
     dbeta = sums["dbeta"] + jnp.sum(yw * kg, axis=1) + jnp.sum(k * rk, axis=1)
 
     dqs = sums["dQg"] * eg + rq
-    dk = b * rk + ck + cq + b * yw * eg + dKd * ed
+    dk = b * rk + c + b * yw * eg + dKd * ed
     kd = k * ed
-    dG = (qs * dqs + b * k * rk - k * (ck + cq) + b * yw * kg - dKd * kd)
+    dG = qs * dqs + b * k * rk - k * c + b * yw * kg - dKd * kd
     dG_last = jnp.sum(dKd * kd, axis=0)[None, :] + sums["dgl"] * jnp.exp(G_last)
     dg = jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG + dG_last
     return dqs, dk, dg, dbeta

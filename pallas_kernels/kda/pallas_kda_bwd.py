@@ -80,8 +80,8 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ts = pl.ds(c * C, C)
     K, V = k_ref.shape[-1], v_ref.shape[-1]
-    A = a_ref[b, ts, h, :].astype(_F32)
-    W = w_ref[b, ts, h, :].astype(_F32)
+    A = a_ref[b, ts, h, :]  # matmul operands only: kept in the stored dtype
+    W = w_ref[b, ts, h, :]
     beta = b_ref[b, ts, h].astype(_F32)
 
     def body(iv, acc):
