@@ -94,7 +94,7 @@ def part_jax(budget_s: float) -> None:
 
     def tag(cfg) -> str:
         return (f"bm{cfg.block_m}_bn{cfg.block_n}_bk{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
-                + ("_wlhs" if cfg.weights_lhs else ""))
+                + ("_wlhs" if cfg.weights_lhs else "") + ("_ptx" if cfg.ptx_decode else ""))
 
     def run_case(record: dict, name: str, fn, args, check) -> None:
         """Compile, check numerics (check(out) -> (rel_err, ok)), then time; failures are recorded."""
@@ -123,11 +123,11 @@ def part_jax(budget_s: float) -> None:
         ref = situ(ragged(x, d1, gs), ragged(x, d3, gs), BETA, LINEAR_BETA)
         try:
             out = {}
-            for lhs in (False, True):
-                c = T(64, 64, 32, 4, 3, weights_lhs=lhs)
-                out[f"gate_up_lhs{int(lhs)}"] = rel(pg.grouped_gate_up_situ(
+            for lhs, ptx in ((False, False), (True, False), (True, True)):
+                c = T(64, 64, 32, 4, 3, weights_lhs=lhs, ptx_decode=ptx)
+                out[f"gate_up_lhs{int(lhs)}_ptx{int(ptx)}"] = rel(pg.grouped_gate_up_situ(
                     x, q1, q3, gs, cfg=c, out_dtype=jnp.float32, approx_situ=False, interpret=INTERPRET), ref)
-                out[f"matmul_lhs{int(lhs)}"] = rel(pg.grouped_matmul(
+                out[f"matmul_lhs{int(lhs)}_ptx{int(ptx)}"] = rel(pg.grouped_matmul(
                     x, q1, gs, cfg=c, out_dtype=jnp.float32, interpret=INTERPRET), ragged(x, d1, gs))
             edge[name] = out
         except Exception as e:
@@ -193,15 +193,18 @@ def part_jax(budget_s: float) -> None:
         run_case(rec, "xla_decode_then_bf16_kernel", xla_decode, packed_args, bf16_check)
 
     # -- 2. forward GEMMs ------------------------------------------------------------------------------
-    mx_cfgs = [T(128, 128, 64, 8, 4, weights_lhs=True), T(128, 128, 64, 8, 4), T(128, 128, 128, 8, 3, True),
-               T(64, 128, 64, 8, 4, weights_lhs=True)]
+    # MXFP4: weights as the MMA's left operand (register-decoded tiles feed wgmma directly) with the PTX or
+    # the jnp decoder, and the plain orientation; first entries are the expected best.
+    lhs_ptx = dict(weights_lhs=True, ptx_decode=True)
+    mx_cfgs = [T(128, 128, 64, 8, 4, **lhs_ptx), T(128, 128, 64, 8, 3, **lhs_ptx), T(128, 128, 64, 8, 4, True),
+               T(128, 128, 64, 8, 4)]
     cases = [
         ("gate_up_E28", 28, True, [pg.GATE_UP_DEFAULT], mx_cfgs),
-        ("down_E28", 28, False, [pg.DOWN_DEFAULT], [T(128, 256, 64, 8, 4, weights_lhs=True), pg.DOWN_DEFAULT,
-                                                    T(128, 128, 64, 8, 4, weights_lhs=True)]),
+        ("down_E28", 28, False, [pg.DOWN_DEFAULT], [T(128, 256, 64, 8, 4, **lhs_ptx), T(128, 128, 64, 8, 4, **lhs_ptx),
+                                                    T(128, 256, 64, 8, 4, True), pg.DOWN_DEFAULT]),
         ("gate_up_E112", 112, True, [pg.GATE_UP_SMALL_GROUPS, pg.GATE_UP_DEFAULT, T(128, 128, 64, 8, 4, True),
                                      T(64, 128, 64, 8, 4, weights_lhs=True), T(32, 128, 64, 4, 4, True)],
-         [T(64, 128, 64, 8, 4, weights_lhs=True)]),
+         [T(128, 128, 64, 8, 4, **lhs_ptx)]),
     ]
     for label, num_experts, fused, bf16_cfgs, mxfp4_cfgs in cases:
         if time.time() - t0 > budget_s * 0.6:

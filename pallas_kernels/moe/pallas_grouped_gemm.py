@@ -64,6 +64,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.moe.mxfp4_tile import BLOCK, decode_tile
+from pallas_kernels.moe.mxfp4_tile_ptx import decode_tile_ptx
 from pallas_kernels.moe.reference import MXFP4Experts
 
 F32 = jnp.float32
@@ -80,6 +81,9 @@ class TileConfig:
     the next tile's decode; as the right operand it has to be written to shared memory first and Triton
     waits for each MMA before the next decode (seen in the SASS: ``WARPGROUP.DEPBAR.LE gsb0, 0x0``). The row
     tile becomes the MMA's N, which may be as small as 16 rows.
+
+    ptx_decode: MXFP4 tiles are decoded by the inline-PTX decoder (mxfp4_tile_ptx.py, bf16 pairs per
+    instruction) instead of the jnp one; GPU only (interpret mode always runs the jnp decoder).
     """
 
     block_m: int = 128
@@ -88,6 +92,7 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 4
     weights_lhs: bool = False
+    ptx_decode: bool = False
 
 
 # Picked on one H200 (2026-11-29, benchmarks/RESULTS.md): 128-row tiles when experts average >= 320 rows;
@@ -147,18 +152,18 @@ def _situ_f32(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None
     return gate * up
 
 
-def _weight_tile(w_refs, grp, n0, k0, bn: int, bk: int, dtype) -> jax.Array:
+def _weight_tile(w_refs, grp, n0, k0, bn: int, bk: int, dtype, ptx: bool) -> jax.Array:
     """The [bn, bk] weight tile of expert grp at (n0, k0): a plain load, or packed codes + scales decoded."""
     if len(w_refs) == 1:
         return w_refs[0][grp, pl.ds(n0, bn), pl.ds(k0, bk)]
     packed_ref, scale_ref = w_refs
     packed = packed_ref[grp, pl.ds(n0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)]
     scale = scale_ref[grp, pl.ds(n0, bn), pl.ds(pl.multiple_of(k0 // BLOCK, bk // BLOCK), bk // BLOCK)]
-    return decode_tile(packed, scale, dtype)
+    return decode_tile_ptx(packed, scale).astype(dtype) if ptx else decode_tile(packed, scale, dtype)
 
 
 def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused: bool, mxfp4: bool, beta,
-            linear_beta, approx: bool):
+            linear_beta, approx: bool, ptx: bool):
     per_weight = 2 if mxfp4 else 1  # refs: (packed, scale) per MXFP4 weight, else one array
     w1_refs = refs[:per_weight]
     w3_refs = refs[per_weight:2 * per_weight] if fused else None
@@ -189,9 +194,9 @@ def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused
         def body(k, accs):
             k0 = pl.multiple_of(k * bk, bk)
             xt = x_ref[pl.ds(load_start, bm), pl.ds(k0, bk)]
-            new = [accs[0] + mma(xt, _weight_tile(w1_refs, grp, n0, k0, bn, bk, xt.dtype))]
+            new = [accs[0] + mma(xt, _weight_tile(w1_refs, grp, n0, k0, bn, bk, xt.dtype, ptx))]
             if fused:
-                new.append(accs[1] + mma(xt, _weight_tile(w3_refs, grp, n0, k0, bn, bk, xt.dtype)))
+                new.append(accs[1] + mma(xt, _weight_tile(w3_refs, grp, n0, k0, bn, bk, xt.dtype, ptx)))
             return tuple(new)
 
         zeros = jnp.zeros((bn, bm) if cfg.weights_lhs else (bm, bn), F32)
@@ -237,7 +242,8 @@ def _grouped_call(x, ws, group_sizes, *, cfg: TileConfig, fused: bool, beta, lin
     num_n_blocks = n // cfg.block_n
     meta = _schedule(group_sizes, m, cfg.block_m, num_n_blocks)
     kernel = functools.partial(_kernel, num_rows=m, num_groups=group_sizes.shape[0], cfg=cfg, fused=fused,
-                               mxfp4=mxfp4, beta=beta, linear_beta=linear_beta, approx=approx and not interpret)
+                               mxfp4=mxfp4, beta=beta, linear_beta=linear_beta, approx=approx and not interpret,
+                               ptx=cfg.ptx_decode and not interpret)
     operands = [a for w in ws for a in ((w.packed, w.scale) if mxfp4 else (w,))]
     name = "k3_moe_gate_up_situ" if fused else "k3_moe_grouped_matmul"
     out = pl.pallas_call(
