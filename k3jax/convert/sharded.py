@@ -9,8 +9,9 @@ it. Orbax then writes each process's addressable shards. So in one process the b
 source bytes exactly, whatever the mesh; with several processes a leaf that is replicated (or split
 only along inner dimensions) across processes is read by each process that holds it.
 
-The output is the single-host conversion's: the same items, leaves, manifest and checksums, so
-either kind of run can resume the other's directory and loads do not care which wrote it. The
+The output is the single-host conversion's: the same items, leaves, manifest and checksums (only
+Orbax's chunking of the files follows the shards), so either kind of run can resume the other's
+directory and loads do not care which wrote it. The
 manifest records each leaf's checksum over the whole leaf (`store.leaf_record`), so each leaf is
 brought to host once to be checksummed: in one process that is a copy of its shards; with several
 processes it is an all-gather (every process receives the leaf, one leaf at a time). This is the
@@ -18,8 +19,9 @@ cost of keeping the checksum definition; a per-block checksum would let processe
 
 Several processes (see docs/multihost.md): every process runs the same call after
 `k3jax.distributed.initialize()`, with HF_DIR and OUT on a filesystem they all see under the same path.
-Process 0 alone writes the manifest, renames finished items, verifies and marks the directory COMPLETE;
-the others wait at barriers and fail with it.
+Process 0 alone writes the manifest, renames finished items and marks the directory COMPLETE; the
+others wait at barriers and fail with it. `verify` needs one process (it restores every item to host,
+and Orbax restores are collective): verify afterwards with `convert(..., resume=True, verify=True)`.
 """
 
 from __future__ import annotations
@@ -75,6 +77,10 @@ def convert_sharded(
     from k3jax.convert.converter import ConvertResult, _open_output, _verify, plan_conversion  # noqa: PLC0415
     from sharding import make_mesh  # noqa: PLC0415 (sharding imports k3jax.model)
 
+    if verify and jax.process_count() > 1:
+        raise CheckpointError(f"--verify reads the whole conversion back in one process; convert with "
+                              f"{jax.process_count()} processes without it, then run `k3jax convert {hf_dir} "
+                              f"{out_dir} --resume --verify` as a single process")
     start = time.perf_counter()
     mesh = make_mesh(mesh)
     planned = plan_conversion(hf_dir, dtype=dtype, experts=experts)
@@ -104,7 +110,7 @@ def convert_sharded(
             del leaves
             bar.update(item.nbytes)
     if verify:
-        _on_process_zero(f"verify {root}", lambda: _verify(root, store, planned, manifest))
+        _verify(root, store, planned, manifest)
     _on_process_zero(f"mark {root} complete", lambda: mark_complete(root))
     return ConvertResult(root, len(todo), len(planned.plan.items) - len(todo), planned.plan.nbytes,
                          time.perf_counter() - start)
