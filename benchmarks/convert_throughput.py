@@ -5,13 +5,19 @@ tensors, 8 shards plus index) under /tmp (never the repo), then alternates, `--r
 
   raw read    every shard file read sequentially in 16 MiB chunks (no parsing)
   convert     `k3jax.convert.convert(SRC, OUT)` for each `--experts` mode (mxfp4: codes and scales
-              kept as stored; bf16: MXFP4 decoded to bfloat16, 3.8x the bytes written)
+              kept as stored; bf16: MXFP4 decoded to bfloat16, 3.8x the bytes written), with each
+              item fsynced before it is committed (the default) and with `sync=False`
 
 Before every measurement the page cache is put in the same state for all of them: `--cache cold`
 drops it (`/proc/sys/vm/drop_caches`, needs root; also drops the previous run's output pages),
 `--cache warm` reads every shard once first. Throughput = source bytes / wall seconds (the
 conversion's includes planning from headers, checksums, the Orbax writes and the manifest);
-medians are printed, with `--profile` a cProfile summary of one conversion per mode.
+medians are printed with the CPU seconds (user + system, all threads) of each, and the load
+average before and after, since other processes on the machine slow the CPU-bound conversion
+more than the raw read. With `--profile` a cProfile summary of one conversion per mode; with
+`--stages` one conversion run stage by stage (no overlap), each timed, then one `sync=False`
+conversion each with the checksum, the writes, or both replaced by nothing (a what-if: those
+outputs are unusable), against the median raw read.
 
     PYTHONPATH=. python benchmarks/convert_throughput.py [--gb 2] [--repeats 3] [--cache cold|warm]
 """
@@ -19,12 +25,14 @@ medians are printed, with `--profile` a cProfile summary of one conversion per m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
 import os
 import platform
 import pstats
+import resource
 import shutil
 import statistics
 import time
@@ -35,8 +43,11 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from k3jax.config import K3Config
-from k3jax.convert import convert
+from k3jax.convert import convert, converter
+from k3jax.convert.converter import _open_output, plan_conversion
 from k3jax.convert.plan import EXPERTS_PREFIX, abstract_items
+from k3jax.convert.store import ItemStore, leaf_record, write_manifest
+from k3jax.convert.transform import item_buffer_bytes, materialize_item
 from k3jax.model import K3Model
 
 GOLDEN_CONFIG = Path(__file__).resolve().parents[1] / "tests/golden/k3-tiny-a/config.json"
@@ -128,10 +139,70 @@ def set_cache(src: Path, mode: str) -> None:
         read_all(src)
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one call."""
+    cpu, start = cpu_seconds(), time.perf_counter()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, cpu_seconds() - cpu
+
+
+def load_average() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def stages(src: Path, out: Path, experts: str, cache: str) -> None:
+    """One conversion done stage after stage (what each costs alone), with `convert`'s own pieces."""
+    spent: dict[str, list[float]] = {}
+
+    def stage(name, fn, *args, **kwargs):
+        cpu, start = cpu_seconds(), time.perf_counter()
+        result = fn(*args, **kwargs)
+        wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+        spent.setdefault(name, [0.0, 0.0])
+        spent[name][0] += wall
+        spent[name][1] += cpu
+        return result
+
+    shutil.rmtree(out, ignore_errors=True)
+    set_cache(src, cache)
+    planned = stage("plan (config, headers, abstract model)", plan_conversion, src, experts=experts)
+    manifest = _open_output(out, planned, resume=False)
+    store = ItemStore(out)
+    buffer = np.empty(max(item_buffer_bytes(item) for item in planned.plan.items), np.uint8)
+    for item in planned.plan.items:
+        leaves = stage("read + transform (into a reused buffer)", materialize_item, item, planned.index, buffer)
+        records = stage("crc32 of every leaf (all cores)", lambda: {k: leaf_record(v) for k, v in leaves.items()})
+        stage("Orbax/TensorStore write (page cache)", store.write, item.name, leaves)
+        stage("fsync + rename", store.commit, item.name)
+        manifest["items"][item.name] = records
+        stage("manifest commit", write_manifest, out, manifest)
+    nbytes = planned.plan.nbytes
+    print(f"\nstages, --experts {experts}, one after another ({cache} cache, load {load_average()}):\n"
+          "| stage | wall s | CPU s | GB/s of wall |\n|---|---|---|---|")
+    for name, (wall, cpu) in spent.items():
+        print(f"| {name} | {wall:.2f} | {cpu:.2f} | {nbytes / wall / 1e9:.2f} |")
+    print(f"| sum | {sum(w for w, _ in spent.values()):.2f} | {sum(c for _, c in spent.values()):.2f} | |")
+
+
+@contextlib.contextmanager
+def without(*removed: str):
+    """`convert` with pipeline stages ("checksum", "write") replaced by nothing: a what-if measurement,
+    whose output is unusable."""
+    saved = converter._leaf_records, ItemStore.write, ItemStore.commit
+    if "checksum" in removed:
+        converter._leaf_records = lambda leaves: {name: {} for name in leaves}
+    if "write" in removed:
+        ItemStore.write = lambda self, item, leaves: None
+        ItemStore.commit = lambda self, item, sync=True: None
+    try:
+        yield
+    finally:
+        converter._leaf_records, ItemStore.write, ItemStore.commit = saved
 
 
 def main() -> None:
@@ -141,8 +212,12 @@ def main() -> None:
     parser.add_argument("--cache", choices=("cold", "warm"), default="cold")
     parser.add_argument("--experts", nargs="+", default=["mxfp4", "bf16"])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/k3_convert_bench"))
+    parser.add_argument("--sync", choices=("both", "yes", "no"), default="both",
+                        help="measure conversions that fsync each item (the default), ones that do not, or both")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--stages", action="store_true")
     args = parser.parse_args()
+    syncs = {"both": (True, False), "yes": (True,), "no": (False,)}[args.sync]
 
     src, out = args.workdir / "release", args.workdir / "out"
     config = synthetic_config(args.gb)
@@ -155,31 +230,48 @@ def main() -> None:
         print(f"wrote {data / 1e9:.2f} GB synthetic release in {time.perf_counter() - start:.0f} s")
     file_bytes = sum(p.stat().st_size for p in shard_files(src))
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-          f"source {file_bytes / 1e9:.3f} GB in {len(shard_files(src))} shards; cache {args.cache}")
+          f"source {file_bytes / 1e9:.3f} GB in {len(shard_files(src))} shards; cache {args.cache}; "
+          f"load average {load_average()} (1/5/15 min)")
 
-    seconds: dict[str, list[float]] = {"raw read": [], **{f"convert --experts {e}": [] for e in args.experts}}
+    runs: dict[tuple, list[tuple[float, float]]] = {("raw read",): []}
+    runs.update({(experts, sync): [] for experts in args.experts for sync in syncs})
     written: dict[str, int] = {}
     for _ in range(args.repeats):
         set_cache(src, args.cache)
-        seconds["raw read"].append(timed(lambda: read_all(src)))
-        for experts in args.experts:
+        runs[("raw read",)].append(timed(lambda: read_all(src)))
+        for experts, sync in list(runs)[1:]:
             shutil.rmtree(out, ignore_errors=True)
             set_cache(src, args.cache)
             result = None
 
             def run():
                 nonlocal result
-                result = convert(src, out, experts=experts, progress=False)
+                result = convert(src, out, experts=experts, progress=False, sync=sync)
 
-            seconds[f"convert --experts {experts}"].append(timed(run))
+            runs[(experts, sync)].append(timed(run))
             written[experts] = result.nbytes
-    raw = statistics.median(seconds["raw read"])
-    print(f"\n| what | median s | GB/s of source | vs raw read | runs (s) |\n|---|---|---|---|---|")
-    for what, runs in seconds.items():
-        median = statistics.median(runs)
-        extra = f" (writes {written[what.split()[-1]] / 1e9:.2f} GB)" if what.startswith("convert") else ""
-        print(f"| {what}{extra} | {median:.2f} | {file_bytes / median / 1e9:.2f} | {raw / median:.0%} | "
-              f"{', '.join(f'{r:.2f}' for r in runs)} |")
+    raw = statistics.median(wall for wall, _ in runs[("raw read",)])
+    print(f"load average after: {load_average()}")
+    print("\n| what | median s | median CPU s | GB/s of source | vs raw read | runs (s) |\n|---|---|---|---|---|---|")
+    for key, timings in runs.items():
+        what = "raw read" if key == ("raw read",) else (
+            f"convert --experts {key[0]}{'' if key[1] else ', sync=False'} (writes {written[key[0]] / 1e9:.2f} GB)")
+        median = statistics.median(wall for wall, _ in timings)
+        cpu = statistics.median(c for _, c in timings)
+        print(f"| {what} | {median:.2f} | {cpu:.2f} | {file_bytes / median / 1e9:.2f} | {raw / median:.0%} | "
+              f"{', '.join(f'{wall:.2f}' for wall, _ in timings)} |")
+
+    if args.stages:
+        for experts in args.experts:
+            stages(src, out, experts, args.cache)
+        print(f"\npipeline with a stage removed, --experts {args.experts[0]}, sync=False "
+              f"(load {load_average()}):\n| removed | s | CPU s | vs raw read |\n|---|---|---|---|")
+        for removed in (("checksum",), ("write",), ("checksum", "write")):
+            shutil.rmtree(out, ignore_errors=True)
+            set_cache(src, args.cache)
+            with without(*removed):
+                wall, cpu = timed(lambda: convert(src, out, experts=args.experts[0], progress=False, sync=False))
+            print(f"| {' and '.join(removed)} | {wall:.2f} | {cpu:.2f} | {raw / wall:.0%} |")
 
     if args.profile:
         for experts in args.experts:
