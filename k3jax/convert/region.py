@@ -25,7 +25,7 @@ import dataclasses
 
 import numpy as np
 
-from k3jax.checkpoint.safetensors_index import CheckpointIndex, TensorInfo
+from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex, TensorInfo
 from k3jax.convert.plan import LeafPlan
 from k3jax.convert.transform import materialize
 
@@ -70,7 +70,10 @@ def read_box(leaf: LeafPlan, index: CheckpointIndex, box: Box) -> np.ndarray:
     rows = CheckpointIndex(index.directory, {
         name: _row_range(index.info(name), r0, r1) for part in parts for name in part
     })
-    return materialize(dataclasses.replace(leaf, shape=shape, parts=tuple(parts)), rows)
+    try:
+        return materialize(dataclasses.replace(leaf, shape=shape, parts=tuple(parts)), rows)
+    except CheckpointError as err:  # its indices count from the first row read
+        raise CheckpointError(f"{err}; read as rows [{r0}, {r1}) of each tensor, indices from row {r0}") from None
 
 
 def materialize_region(leaf: LeafPlan, index: CheckpointIndex, region: tuple[slice, ...]) -> np.ndarray:

@@ -13,16 +13,18 @@ import json
 import re
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
 import k3jax
-from k3jax.checkpoint import safetensors_index
+from k3jax.checkpoint import CheckpointError, safetensors_index
 from k3jax.cli import main
 from k3jax.convert import convert, plan_conversion, sharded
 from k3jax.convert.region import STACKED_KINDS
 from k3jax.convert.store import COMPLETE, ITEMS, MANIFEST
 from sharding import make_mesh, shard_batch
+from tests.conftest import write_variant
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (jax_num_cpu_devices=8 on CPU)")
 
@@ -159,3 +161,14 @@ def test_cli_mesh_conversion(tmp_path, golden_dir, converted_fp32, capsys):
     assert manifest_items(tmp_path / "out") == manifest_items(converted_fp32)
     assert main(["convert", str(golden_dir), str(tmp_path / "bad"), "--mesh", "expert=3", "--quiet"]) == 1
     assert "error: mesh spec 'expert=3': axis sizes multiply to 3, but there are 8 devices" in capsys.readouterr().err
+
+
+def test_non_finite_value_in_a_slice_names_the_tensor_and_rows(tmp_path, golden_dir, golden_tensors):
+    name = "language_model.model.layers.2.self_attn.q_proj.weight"
+    poisoned = golden_tensors[name].astype(np.float32)
+    poisoned[-1, 3] = np.nan  # last row: read by the device holding the last rows only
+    source = write_variant(tmp_path / "hf", golden_dir, {**golden_tensors, name: poisoned.astype(ml_dtypes.bfloat16)})
+    rows = poisoned.shape[0]
+    with pytest.raises(CheckpointError, match=rf"tensor {name} holds 1 NaN and 0 inf .*rows \[{rows // 8 * 7}, {rows}\)"):
+        convert(source, tmp_path / "out", mesh="tensor=8", progress=False)
+    assert not (tmp_path / "out" / COMPLETE).exists()
