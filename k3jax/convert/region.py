@@ -1,8 +1,11 @@
 """One device's region of a planned leaf, reading only the source bytes that region needs.
 
-`materialize_region(leaf, index, region)` equals `materialize(leaf, index)[region]` bit for bit,
-because it *is* `materialize`: it runs the one transform (MXFP4 decode or keep, stacking, A_log
-slicing, cast, NaN/inf check) on a smaller leaf whose sources are row ranges of the release's tensors.
+    box = read_box_of(leaf, region)
+    piece = in_box(read_box(leaf, index, box), leaf, box, region)   # == materialize(leaf, index)[region]
+
+The two are equal bit for bit because `read_box` *is* `materialize`: it runs the one transform (MXFP4
+decode or keep, stacking, A_log slicing, cast, NaN/inf check) on a smaller leaf whose sources are row
+ranges of the release's tensors.
 A row range of a row-major tensor is one contiguous byte range, so it is described by an ordinary
 `TensorInfo` (same file, narrower offsets) and read by the ordinary reader.
 
@@ -74,12 +77,6 @@ def read_box(leaf: LeafPlan, index: CheckpointIndex, box: Box) -> np.ndarray:
         return materialize(dataclasses.replace(leaf, shape=shape, parts=tuple(parts)), rows)
     except CheckpointError as err:  # its indices count from the first row read
         raise CheckpointError(f"{err}; read as rows [{r0}, {r1}) of each tensor, indices from row {r0}") from None
-
-
-def materialize_region(leaf: LeafPlan, index: CheckpointIndex, region: tuple[slice, ...]) -> np.ndarray:
-    """`materialize(leaf, index)[region]`, reading only the region's read box."""
-    box = read_box_of(leaf, region)
-    return in_box(read_box(leaf, index, box), leaf, box, region)
 
 
 def in_box(boxed: np.ndarray, leaf: LeafPlan, box: Box, region: tuple[slice, ...]) -> np.ndarray:

@@ -11,11 +11,11 @@ only along inner dimensions) across processes is read by each process that holds
 
 The output is the single-host conversion's: the same items, leaves, manifest and checksums (only
 Orbax's chunking of the files follows the shards), so either kind of run can resume the other's
-directory and loads do not care which wrote it. The
-manifest records each leaf's checksum over the whole leaf (`store.leaf_record`), so each leaf is
-brought to host once to be checksummed: in one process that is a copy of its shards; with several
-processes it is an all-gather (every process receives the leaf, one leaf at a time). This is the
-cost of keeping the checksum definition; a per-block checksum would let processes hash their own part.
+directory and loads do not care which wrote it. The manifest records each leaf's checksum over the
+whole leaf (`store.leaf_record`), so each leaf is brought to host once to be checksummed: in one
+process that is a copy of its shards; with several processes it is an all-gather (every process
+receives the leaf, one leaf at a time). This is the cost of keeping the checksum definition; a
+per-block checksum would let processes hash their own part.
 
 Several processes (see docs/multihost.md): every process runs the same call after
 `k3jax.distributed.initialize()`, with HF_DIR and OUT on a filesystem they all see under the same path.
