@@ -70,8 +70,8 @@ def _pallas_op(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _pallas_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale, cu_seqlens):
     """The Pallas forward, differentiable: gradients for q, k, v, g, beta and the initial state
-    from the analytic Pallas backward (``pallas_kda_bwd.py``, recomputing from the inputs); packed
-    sequences still take the VJP of the exact chunked reference."""
+    from the analytic Pallas backward (``pallas_kda_bwd.py``, recomputing from the inputs), packed
+    sequences included."""
     return pallas_chunk_kda(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
     )
@@ -85,13 +85,7 @@ def _pallas_kda_fwd(q, k, v, g, beta, initial_state, scale, cu_seqlens):
 
 
 def _pallas_kda_bwd(scale, cu_seqlens, inputs, cotangents):
-    if cu_seqlens is None:
-        return pallas_chunk_kda_bwd(*inputs, *cotangents, scale=scale)
-    reference = lambda q, k, v, g, beta, s0: chunked_kda(  # noqa: E731
-        q, k, v, g, beta, scale=scale, initial_state=s0, cu_seqlens=cu_seqlens
-    )
-    _, vjp = jax.vjp(reference, *inputs)
-    return vjp(cotangents)
+    return pallas_chunk_kda_bwd(*inputs, *cotangents, scale=scale, cu_seqlens=cu_seqlens)
 
 
 _pallas_kda_with_reference_vjp.defvjp(_pallas_kda_fwd, _pallas_kda_bwd)

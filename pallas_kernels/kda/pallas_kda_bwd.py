@@ -13,6 +13,10 @@ gradient kernel calls on whole 64-token tiles), as five ``pl.pallas_call``s:
    V columns are independent in both recurrences, which is what allows the V split.
 4. ``_grads_kernel``, grid ``(B, H, N)``, parallel: dq, dk, dv, dg, dbeta of the chunk.
 
+Packed sequences (``cu_seqlens``) run on the forward's chunk-aligned layout
+(``varlen_layout.py``); the two recurrences then loop over one sequence's chunk range per program,
+from and into that sequence's state, and the per-chunk passes run unchanged.
+
 Nothing comes from the forward pass: residuals are the inputs, everything else is recomputed.
 Intermediates are stored in the input dtype (bf16 in training, like fla's backward), states and
 accumulation in fp32; fp32 inputs keep everything fp32 with IEEE matmuls (what the tests use).
@@ -30,6 +34,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C, dot, key_grads, value_terms
 from pallas_kernels.kda.pallas_kda import _intra_solve_kernel, _intra_wu_kernel
+from pallas_kernels.kda.reference import host_offsets
+from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
 try:  # Triton compiler params (GPU only); interpret mode ignores them.
     from jax.experimental.pallas import triton as pl_triton
@@ -39,8 +45,20 @@ except ImportError:  # pragma: no cover
 _F32 = jnp.float32
 
 
-def _states_kernel(w_ref, u_ref, kd_ref, gl_ref, h0_ref, hs_ref, *, n_chunks, bv, mm_dtype):
-    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _sequence(refs: tuple, n_chunks: int, varlen: bool):
+    """Program (s, h, iv) runs the chunks of sequence s: batch row s, chunks [0, n_chunks); or with
+    ``varlen`` the packed row 0, chunks [cu[s], cu[s + 1]) read from the leading int32 ref."""
+    s = pl.program_id(0)
+    if varlen:
+        cu_ref, *refs = refs
+        return refs, s, 0, cu_ref[s], cu_ref[s + 1]
+    return refs, s, s, 0, n_chunks
+
+
+def _states_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
+    refs, s, b, c0, c1 = _sequence(refs, n_chunks, varlen)
+    w_ref, u_ref, kd_ref, gl_ref, h0_ref, hs_ref = refs
+    h, iv = pl.program_id(1), pl.program_id(2)
     vs = pl.ds(iv * bv, bv)
 
     def body(c, S):
@@ -50,16 +68,17 @@ def _states_kernel(w_ref, u_ref, kd_ref, gl_ref, h0_ref, hs_ref, *, n_chunks, bv
         gl = gl_ref[b, c, h, :]
         return gl[:, None] * S + dot(kd_ref[b, ts, h, :], v_new, mm_dtype, trans_a=True)
 
-    lax.fori_loop(0, n_chunks, body, h0_ref[b, h, :, vs])
+    lax.fori_loop(c0, c1, body, h0_ref[s, h, :, vs])
 
 
-def _dstates_kernel(qg_ref, w_ref, aqk_ref, kd_ref, gl_ref, do_ref, dht_ref, dhs_ref, dvn_ref,
-                    ds0_ref, *, n_chunks, bv, mm_dtype):
-    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _dstates_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
+    refs, s, b, c0, c1 = _sequence(refs, n_chunks, varlen)
+    qg_ref, w_ref, aqk_ref, kd_ref, gl_ref, do_ref, dht_ref, dhs_ref, dvn_ref, ds0_ref = refs
+    h, iv = pl.program_id(1), pl.program_id(2)
     vs = pl.ds(iv * bv, bv)
 
     def body(i, dS):
-        c = n_chunks - 1 - i
+        c = c0 + c1 - 1 - i  # chunks in reverse
         ts = pl.ds(c * C, C)
         do = do_ref[b, ts, h, vs]
         dvn = dot(aqk_ref[b, ts, h, :], do, mm_dtype, trans_a=True) + dot(
@@ -70,7 +89,7 @@ def _dstates_kernel(qg_ref, w_ref, aqk_ref, kd_ref, gl_ref, do_ref, dht_ref, dhs
         return (gl[:, None] * dS + dot(qg_ref[b, ts, h, :], do, mm_dtype, trans_a=True)
                 - dot(w_ref[b, ts, h, :], dvn, mm_dtype, trans_a=True))
 
-    ds0_ref[b, h, :, vs] = lax.fori_loop(0, n_chunks, body, dht_ref[b, h, :, vs])
+    ds0_ref[s, h, :, vs] = lax.fori_loop(c0, c1, body, dht_ref[s, h, :, vs])
 
 
 def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref,
@@ -152,32 +171,39 @@ def stage_parts(q, k, v, g, beta, *, scale, interpret, num_warps, num_stages):
 
 
 @functools.partial(jax.jit, static_argnames=("block_v",) + _TUNING)
-def stage_states(W, U, kd, gl, h0, *, block_v, interpret, num_warps, num_stages):
-    """Pass 2a: every chunk's input state ``[B, N, H, K, V]``."""
+def stage_states(W, U, kd, gl, h0, chunk_offsets=None, *, block_v, interpret, num_warps,
+                 num_stages):
+    """Pass 2a: every chunk's input state ``[B, N, H, K, V]``. ``chunk_offsets`` (int32
+    ``[S + 1]``) marks a chunk-aligned packed batch (B == 1) of S sequences with states h0[s]."""
     B, Tp, H, K = W.shape
     V, n = U.shape[-1], Tp // C
     mm_dtype, sd = _dtypes(U)
+    varlen = chunk_offsets is not None
     return pl.pallas_call(
-        functools.partial(_states_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype),
-        grid=(B, H, V // block_v),
+        functools.partial(_states_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype,
+                          varlen=varlen),
+        grid=(h0.shape[0], H, V // block_v),
         out_shape=jax.ShapeDtypeStruct((B, n, H, K, V), sd),
         interpret=interpret, name="kda_bwd_states", **_params(interpret, num_warps, num_stages),
-    )(W, U, kd, gl, h0)
+    )(*((chunk_offsets,) if varlen else ()), W, U, kd, gl, h0)
 
 
 @functools.partial(jax.jit, static_argnames=("block_v",) + _TUNING)
-def stage_dstates(qg, W, aqk, kd, gl, do, dht, *, block_v, interpret, num_warps, num_stages):
+def stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets=None, *, block_v, interpret,
+                  num_warps, num_stages):
     """Pass 2b: ``(dh [B, N, H, K, V], dv_new [B, Tp, H, V], d initial_state)``."""
     B, Tp, H, K = W.shape
     V, n = do.shape[-1], Tp // C
     mm_dtype, sd = _dtypes(do)
     sds = jax.ShapeDtypeStruct
+    varlen = chunk_offsets is not None
     return pl.pallas_call(
-        functools.partial(_dstates_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype),
-        grid=(B, H, V // block_v),
-        out_shape=(sds((B, n, H, K, V), sd), sds((B, Tp, H, V), sd), sds((B, H, K, V), _F32)),
+        functools.partial(_dstates_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype,
+                          varlen=varlen),
+        grid=(dht.shape[0], H, V // block_v),
+        out_shape=(sds((B, n, H, K, V), sd), sds((B, Tp, H, V), sd), sds(dht.shape, _F32)),
         interpret=interpret, name="kda_bwd_dstates", **_params(interpret, num_warps, num_stages),
-    )(qg, W, aqk, kd, gl, do, dht)
+    )(*((chunk_offsets,) if varlen else ()), qg, W, aqk, kd, gl, do, dht)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_v") + _TUNING)
@@ -197,10 +223,12 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_v", "grads_block_v") + _TUNING)
-def _bwd(q, k, v, g, beta, h0, do, dht, *, scale, block_v, grads_block_v, **tuning):
+def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_block_v,
+         **tuning):
     A, W, U, aqk, qg, kd, gl = stage_parts(q, k, v, g, beta, scale=scale, **tuning)
-    hs = stage_states(W, U, kd, gl, h0, block_v=block_v, **tuning)
-    dhs, dvn, ds0 = stage_dstates(qg, W, aqk, kd, gl, do, dht, block_v=block_v, **tuning)
+    hs = stage_states(W, U, kd, gl, h0, chunk_offsets, block_v=block_v, **tuning)
+    dhs, dvn, ds0 = stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets, block_v=block_v,
+                                  **tuning)
     grads = stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, scale=scale,
                         block_v=grads_block_v, **tuning)
     return (*grads, ds0)
@@ -217,6 +245,7 @@ def pallas_chunk_kda_bwd(
     dht: jax.Array,
     *,
     scale: float,
+    cu_seqlens: object | None = None,
     interpret: bool | None = None,
     block_v: int = 64,
     grads_block_v: int = 32,
@@ -226,7 +255,8 @@ def pallas_chunk_kda_bwd(
     """Gradients of ``pallas_chunk_kda``'s ``(o, final_state)`` (safe gate, fla conventions).
 
     q, k, g [B, T, H, K]; v, do [B, T, H, V]; beta [B, T, H]; initial_state, dht fp32
-    [B, H, K, V]. Returns ``(dq, dk, dv, dg, dbeta, d initial_state)`` in the inputs' dtypes
+    [B, H, K, V] (with ``cu_seqlens``, host offsets [N + 1] of packed sequences and B == 1:
+    [N, H, K, V]). Returns ``(dq, dk, dv, dg, dbeta, d initial_state)`` in the inputs' dtypes
     (the state gradient fp32). ``interpret`` defaults to True off GPU. ``block_v``: V columns per
     program of the two state recurrences; ``grads_block_v``: V columns per step of the gradient
     kernel's loop (its live set).
@@ -245,18 +275,34 @@ def pallas_chunk_kda_bwd(
         blocks[name] = min(size, V)
         if V % blocks[name]:
             raise ValueError(f"{name}: V={V} is not a multiple of {name}={blocks[name]}")
-    Tp = -(-T // C) * C
-    if Tp != T:  # identity steps (k = v = beta = g = 0) with zero output cotangent
-        pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-        q, k, v, g, beta, do = map(pad, (q, k, v, g, beta, do))
+    n_states = B
+    if cu_seqlens is not None:  # packed sequences: run on the chunk-aligned layout
+        if B != 1:
+            raise ValueError(f"cu_seqlens: packed sequences need B == 1, got q shape {q.shape}")
+        layout = chunk_layout(host_offsets(cu_seqlens, T), C)
+        n_states = layout.chunk_offsets.size - 1
+        q, k, v, g, beta, do = (to_aligned(x, layout) for x in (q, k, v, g, beta, do))
+        offsets = jnp.asarray(layout.chunk_offsets)
+    else:
+        Tp = -(-T // C) * C  # identity steps (k = v = beta = g = 0), zero output cotangent
+        if Tp != T:
+            pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+            q, k, v, g, beta, do = (pad(x) for x in (q, k, v, g, beta, do))
+        offsets = None
+    for name, x in (("initial_state", initial_state), ("dht", dht)):
+        if tuple(x.shape) != (n_states, H, K, V):
+            raise ValueError(f"{name}: expected shape {(n_states, H, K, V)}, got {tuple(x.shape)}")
     dq, dk, dv, dg, db, ds0 = _bwd(
         q, k, v, g, beta, initial_state.astype(_F32), do.astype(v.dtype), dht.astype(_F32),
-        scale=float(scale), interpret=bool(interpret), num_warps=num_warps,
+        offsets, scale=float(scale), interpret=bool(interpret), num_warps=num_warps,
         num_stages=num_stages, **blocks,
     )
-    if Tp != T:
-        dq, dk, dv, dg, db = (x[:, :T] for x in (dq, dk, dv, dg, db))
-    return dq, dk, dv, dg, db, ds0
+    grads = (dq, dk, dv, dg, db)
+    if cu_seqlens is not None:
+        grads = tuple(from_aligned(x, layout) for x in grads)
+    elif grads[0].shape[1] != T:
+        grads = tuple(x[:, :T] for x in grads)
+    return (*grads, ds0)
 
 
 __all__ = ["pallas_chunk_kda_bwd"]

@@ -11,12 +11,15 @@ of the gradient kernel.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from test_chunk_backward import NAMES, K, make_case, rel
+from test_chunk_backward import NAMES, H, K, V, make_case, rel
 
 from pallas_kernels.kda.chunk_backward import chunk_kda_bwd
 from pallas_kernels.kda.pallas_kda_bwd import pallas_chunk_kda_bwd
+from pallas_kernels.kda.reference import chunked_kda
 
 
 def _args(x, with_state: bool) -> tuple:
@@ -52,3 +55,24 @@ def test_validates_block_v() -> None:
         pallas_chunk_kda_bwd(*args, scale=1.0, interpret=True, block_v=16)
     with pytest.raises(ValueError, match="grads_block_v"):
         pallas_chunk_kda_bwd(*args, scale=1.0, interpret=True, grads_block_v=16)
+    with pytest.raises(ValueError, match="dht: expected shape"):
+        pallas_chunk_kda_bwd(*args[:7], args[7][:1], scale=1.0, interpret=True)
+
+
+def test_packed_sequences_match_reference_autodiff() -> None:
+    """cu_seqlens: per-sequence recurrences on the chunk-aligned layout, one state per sequence."""
+    lens = [5, 64, 70]
+    cu = np.cumsum([0, *lens])
+    x = make_case(sum(lens), seed=9)
+    x = {n: (a[:1] if n in ("q", "k", "v", "g", "beta", "do") else a) for n, a in x.items()}
+    rng = np.random.default_rng(10)
+    s0, dht = (jnp.asarray(rng.standard_normal((len(lens), H, K, V)), jnp.float32) for _ in "ab")
+    args = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    _, vjp = jax.vjp(lambda *a: chunked_kda(*a[:5], scale=K**-0.5, initial_state=a[5],
+                                            cu_seqlens=cu), *args, s0)
+    want = vjp((x["do"], dht))
+    got = pallas_chunk_kda_bwd(*args, s0, x["do"], dht, scale=K**-0.5, cu_seqlens=cu,
+                               interpret=True, block_v=8, grads_block_v=8)
+    for name, a, b in zip(NAMES, got, want):
+        assert a.shape == b.shape, name
+        assert rel(a, b) <= 2e-5, name
