@@ -14,8 +14,8 @@ Orbax's chunking of the files follows the shards), so either kind of run can res
 directory and loads do not care which wrote it. The manifest records each leaf's checksum over the
 whole leaf (`store.leaf_record`), so each leaf is brought to host once to be checksummed: in one
 process that is a copy of its shards; with several processes it is an all-gather (every process
-receives the leaf, one leaf at a time). This is the cost of keeping the checksum definition; a
-per-block checksum would let processes hash their own part.
+receives the leaf, one leaf at a time) and process 0 alone hashes. This is the cost of keeping the
+checksum definition; a per-block checksum would let processes hash their own part.
 
 Several processes (see docs/multihost.md): every process runs the same call after
 `k3jax.distributed.initialize()`, with HF_DIR and OUT on a filesystem they all see under the same path.
@@ -69,6 +69,13 @@ def host_copy(array: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
+def _record(array: jax.Array) -> dict | None:
+    """The leaf's manifest record, on process 0 (the one that writes the manifest); every process must
+    call this, since with several processes the leaf is all-gathered."""
+    host = host_copy(array)
+    return leaf_record(host) if jax.process_index() == 0 else None
+
+
 def convert_sharded(
     hf_dir: str | Path, out_dir: str | Path, *, mesh: str | Mesh, dtype: str = "bfloat16",
     experts: str | None = None, resume: bool = False, verify: bool = False, progress: bool = True,
@@ -103,7 +110,7 @@ def convert_sharded(
             bar.set_postfix_str(item.name)
             leaves = {leaf.target: leaf_array(leaf, planned.index, shardings[(item.name, leaf.target)])
                       for leaf in item.leaves}
-            records = {name: leaf_record(host_copy(array)) for name, array in leaves.items()}
+            records = {name: _record(array) for name, array in leaves.items()}
             _save(store, checkpointer, item.name, leaves)
             manifest["items"][item.name] = records
             _on_process_zero(f"commit {item.name} to {root}", lambda: write_manifest(root, manifest))
