@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.pallas_grouped_gemm import (
-    DOWN_DEFAULT, TileConfig, Weight, gate_up_config,
+    DOWN_DEFAULT, TileConfig, Weight, down_config, gate_up_config,
 )
 from pallas_kernels.moe.pallas_vjp import expert_mlp
 from pallas_kernels.moe.reference import MXFP4Experts, sort_by_expert
@@ -58,7 +58,7 @@ def _pad_to(a: Weight, axis: int, multiple: int = 16) -> Weight:
 def experts_pallas(
     x: jax.Array, w1: Weight, w2: Weight, w3: Weight, weights: jax.Array, ids: jax.Array,
     *, beta: float, linear_beta: float | None, interpret: bool | None = None,
-    gate_up_cfg: TileConfig | None = None, down_cfg: TileConfig = DOWN_DEFAULT,
+    gate_up_cfg: TileConfig | None = None, down_cfg: TileConfig | None = None,
     bwd_cfg: TileConfig = DOWN_DEFAULT,
 ) -> jax.Array:
     """sum_j weights[n, j] * w2_e SiTU(w1_e x_n, w3_e x_n) in fp32. x [N, in]; w1, w3 [E, F, in]; w2 [E, out, F].
@@ -84,7 +84,8 @@ def experts_pallas(
     rows = _pad_to(x[token_of], 1)
     w1, w3 = (_pad_to(_pad_to(w, 2), 1) for w in (w1, w3))
     w2 = _pad_to(_pad_to(w2, 2), 1)
-    gate_up_cfg = gate_up_cfg or gate_up_config(rows.shape[0], num_experts)
+    gate_up_cfg = gate_up_cfg or gate_up_config(rows.shape[0], num_experts, isinstance(w1, MXFP4Experts))
+    down_cfg = down_cfg or down_config(rows.shape[0], num_experts, isinstance(w2, MXFP4Experts))
     outs = expert_mlp(rows, w1, w2, w3, group_sizes, float(beta),
                       None if linear_beta is None else float(linear_beta), bool(interpret), gate_up_cfg,
                       down_cfg, bwd_cfg)

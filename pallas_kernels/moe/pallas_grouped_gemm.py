@@ -26,7 +26,10 @@ tiles); each (row tile, column block) pair is one program. Programs are numbered
 inside an expert column-block-major with the row tiles fastest, so the programs resident at one time
 share one expert's weight column block (read from HBM once, then from L2) and the expert's x rows stay
 in L2. A row tile always loads a full ``block_m`` rows (its start is shifted back at the end of x so the
-load stays in bounds) and stores only its own rows under a mask, so no padding copy of x is needed.
+load stays in bounds) and stores only its own rows under a mask, so no padding copy of x is needed. With
+``cfg.tail_m`` an expert's last tile, when it holds at most tail_m rows, runs a second copy of the loop at
+that height (same table, chosen per program by its row count), so few-row remainders are not padded to
+block_m (``mma_rows`` counts the MMA rows a table costs).
 
 Why Pallas-Triton and not Mosaic GPU (``plgpu.kernel`` + ``emit_pipeline`` + ``wgmma``): Mosaic GPU is
 JAX's documented direction on Hopper and Pallas-Triton is deprecated since JAX 0.11.0, but this kernel had
@@ -82,6 +85,11 @@ class TileConfig:
     waits for each MMA before the next decode (seen in the SASS: ``WARPGROUP.DEPBAR.LE gsb0, 0x0``). The row
     tile becomes the MMA's N, which may be as small as 16 rows.
 
+    tail_m: row tiles that hold at most tail_m rows (only an expert's last tile can) run a second copy of
+    the loop at that height instead of block_m, so the expert's remainder is not padded to a full tile
+    (at 146 rows per expert, 128 + 32 instead of 2 x 128 or 3 x 64 rows of MMA work). With weights_lhs
+    the rows are the MMA's N, so 16 or 32 is cheap; without it tail_m should stay >= 64 (wgmma's M).
+
     ptx_decode: MXFP4 tiles are decoded by the inline-PTX decoder (mxfp4_tile_ptx.py, bf16 pairs per
     instruction) instead of the jnp one; GPU only (interpret mode always runs the jnp decoder).
     """
@@ -93,19 +101,37 @@ class TileConfig:
     num_stages: int = 4
     weights_lhs: bool = False
     ptx_decode: bool = False
+    tail_m: int | None = None
 
 
-# Picked on one H200 (2026-11-29, benchmarks/RESULTS.md): 128-row tiles when experts average >= 320 rows;
-# 64-row tiles with a wider column block below that (e.g. 146 rows/expert: 128-row tiles waste 43% of the MMA
-# work on the half-empty second tile of every expert).
+# Picked on one H200 (2026-11-29, benchmarks/RESULTS.md): 128-row tiles when experts average >= 320 rows.
+# Below that (146 rows per expert at E=112) every expert's remainder tile is mostly padding: 64-row tiles
+# ran 329 TFLOP/s (31% of the MMA rows padding); the small-group configs below add a 32-row tail tile
+# (128 + 32 rows, 9.6% padding), with the weights as the MMA's left operand so that the 32 rows are its N.
 GATE_UP_DEFAULT = TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
-GATE_UP_SMALL_GROUPS = TileConfig(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3)
+GATE_UP_SMALL_GROUPS = TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
+                                  weights_lhs=True, tail_m=32)
 DOWN_DEFAULT = TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
+DOWN_SMALL_GROUPS = TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4,
+                               weights_lhs=True, tail_m=32)
+SMALL_GROUP_ROWS = 320  # average rows per expert below which the small-group configs are used
 
 
-def gate_up_config(num_rows: int, num_groups: int) -> TileConfig:
+def for_weights(cfg: TileConfig, mxfp4: bool) -> TileConfig:
+    """MXFP4 weights always go in as the MMA's left operand, decoded by the PTX decoder (see TileConfig)."""
+    return dataclasses.replace(cfg, weights_lhs=True, ptx_decode=True) if mxfp4 else cfg
+
+
+def gate_up_config(num_rows: int, num_groups: int, mxfp4: bool = False) -> TileConfig:
     """Tile choice from static shapes only (group sizes are data): average rows per expert."""
-    return GATE_UP_DEFAULT if num_rows >= 320 * num_groups else GATE_UP_SMALL_GROUPS
+    small = num_rows < SMALL_GROUP_ROWS * num_groups
+    return for_weights(GATE_UP_SMALL_GROUPS if small else GATE_UP_DEFAULT, mxfp4)
+
+
+def down_config(num_rows: int, num_groups: int, mxfp4: bool = False) -> TileConfig:
+    """As `gate_up_config`, for the down projection."""
+    small = num_rows < SMALL_GROUP_ROWS * num_groups
+    return for_weights(DOWN_SMALL_GROUPS if small else DOWN_DEFAULT, mxfp4)
 
 
 def _schedule(group_sizes: jax.Array, num_rows: int, block_m: int, num_n_blocks: int) -> jax.Array:
@@ -137,6 +163,15 @@ def _schedule(group_sizes: jax.Array, num_rows: int, block_m: int, num_n_blocks:
     row_start = jnp.where(valid, row_start, 0)
     row_end = jnp.where(valid, row_end, 0)
     return jnp.stack([row_start, row_end, grp, jnp.where(valid, n_block, 0)], axis=1).astype(jnp.int32)
+
+
+def mma_rows(group_sizes: jax.Array, num_rows: int, cfg: TileConfig) -> jax.Array:
+    """Rows of MMA work the kernel runs per column block (each tile at its height), rows past the groups
+    excluded: the useful rows are sum(group_sizes), the rest is padding of partial tiles."""
+    table = _schedule(group_sizes, max(num_rows, cfg.block_m), cfg.block_m, 1)
+    count = table[:, 1] - table[:, 0]
+    height = jnp.where((count > 0) & (count <= (cfg.tail_m or 0)), cfg.tail_m or 0, cfg.block_m)
+    return jnp.sum(jnp.where((count > 0) & (table[:, 2] < group_sizes.shape[0]), height, 0))
 
 
 def _situ_f32(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None, approx: bool) -> jax.Array:
@@ -175,39 +210,46 @@ def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused
     row_end = meta_ref[pid, 1]
     grp = meta_ref[pid, 2]
     n0 = pl.multiple_of(meta_ref[pid, 3] * bn, bn)
-    # Load a full bm rows from an in-bounds start; only rows [row_start, row_end) are stored.
-    load_start = jnp.minimum(row_start, num_rows - bm)
-    rows = load_start + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
-    store_mask = (rows >= row_start) & (rows < row_end)
-    out_block = o_ref.at[pl.ds(load_start, bm), pl.ds(n0, bn)]
     active = row_start < row_end
+    dims = (((1,), (1,)), ((), ()))  # a [., bk] . b [., bk]^T
 
-    @pl.when(active & (grp < num_groups))
-    def _compute():
-        dims = (((1,), (1,)), ((), ()))  # a [., bk] . b [., bk]^T
+    def mma(xt, wt):
+        if cfg.weights_lhs:
+            return jax.lax.dot_general(wt, xt, dims, preferred_element_type=F32)  # [bn, rows]
+        return jax.lax.dot_general(xt, wt, dims, preferred_element_type=F32)  # [rows, bn]
 
-        def mma(xt, wt):
-            if cfg.weights_lhs:
-                return jax.lax.dot_general(wt, xt, dims, preferred_element_type=F32)  # [bn, bm]
-            return jax.lax.dot_general(xt, wt, dims, preferred_element_type=F32)  # [bm, bn]
+    def tile(height: int, compute: bool):
+        """Load `height` rows from an in-bounds start; store only rows [row_start, row_end)."""
+        load_start = jnp.minimum(row_start, num_rows - height)
+        rows = load_start + jax.lax.broadcasted_iota(jnp.int32, (height, bn), 0)
+        store_mask = (rows >= row_start) & (rows < row_end)
+        out_block = o_ref.at[pl.ds(load_start, height), pl.ds(n0, bn)]
+        if not compute:  # rows past sum(group_sizes)
+            pltr.store(out_block, jnp.zeros((height, bn), o_ref.dtype), mask=store_mask)
+            return
 
         def body(k, accs):
             k0 = pl.multiple_of(k * bk, bk)
-            xt = x_ref[pl.ds(load_start, bm), pl.ds(k0, bk)]
+            xt = x_ref[pl.ds(load_start, height), pl.ds(k0, bk)]
             new = [accs[0] + mma(xt, _weight_tile(w1_refs, grp, n0, k0, bn, bk, xt.dtype, ptx))]
             if fused:
                 new.append(accs[1] + mma(xt, _weight_tile(w3_refs, grp, n0, k0, bn, bk, xt.dtype, ptx)))
             return tuple(new)
 
-        zeros = jnp.zeros((bn, bm) if cfg.weights_lhs else (bm, bn), F32)
+        zeros = jnp.zeros((bn, height) if cfg.weights_lhs else (height, bn), F32)
         accs = jax.lax.fori_loop(0, num_k, body, (zeros, zeros) if fused else (zeros,))
         out = _situ_f32(accs[0], accs[1], beta, linear_beta, approx) if fused else accs[0]
         out = out.astype(o_ref.dtype)
         pltr.store(out_block, out.T if cfg.weights_lhs else out, mask=store_mask)
 
-    @pl.when(active & (grp >= num_groups))
-    def _zero_tail():  # rows past sum(group_sizes)
-        pltr.store(out_block, jnp.zeros((bm, bn), o_ref.dtype), mask=store_mask)
+    real = active & (grp < num_groups)
+    if cfg.tail_m:  # an expert's last tile, when it holds <= tail_m rows, runs at the smaller height
+        short = row_end - row_start <= cfg.tail_m
+        pl.when(real & short)(lambda: tile(cfg.tail_m, True))
+        pl.when(real & ~short)(lambda: tile(bm, True))
+    else:
+        pl.when(real)(lambda: tile(bm, True))
+    pl.when(active & (grp >= num_groups))(lambda: tile(bm, False))
 
 
 def _check(x, ws, group_sizes, cfg: TileConfig) -> bool:
@@ -224,6 +266,8 @@ def _check(x, ws, group_sizes, cfg: TileConfig) -> bool:
     n = ws[0].shape[1]
     if k % cfg.block_k or n % cfg.block_n:
         raise ValueError(f"K={k} and N={n} must be multiples of block_k={cfg.block_k} / block_n={cfg.block_n}")
+    if cfg.tail_m is not None and not (16 <= cfg.tail_m < cfg.block_m and cfg.tail_m & (cfg.tail_m - 1) == 0):
+        raise ValueError(f"tail_m={cfg.tail_m}: must be a power of two in [16, block_m={cfg.block_m})")
     if mxfp4 and cfg.block_k % BLOCK:
         raise ValueError(f"block_k={cfg.block_k}: MXFP4 weights need a multiple of {BLOCK} (one scale per {BLOCK})")
     if m == 0:
@@ -265,12 +309,12 @@ def grouped_gate_up_situ(
 ) -> jax.Array:
     """SiTU(x @ w1_e^T, x @ w3_e^T) for rows grouped by expert. x [M, K]; w1, w3 [E, F, K] -> [M, F].
 
-    cfg: None picks `gate_up_config(M, E)`. approx_situ: the two tanh terms of the epilogue use the hardware
+    cfg: None picks `gate_up_config(M, E, packed)`. approx_situ: the two tanh terms of the epilogue use the hardware
     tanh.approx.f32 (GPU only; interpret mode always runs the exact tanh). On the H200 it is ~6% faster at
     K3 shapes with the same error against an fp32 reference (1.66e-3, dominated by the bf16 output); pass
     False for libdevice tanh. (Stages 3 vs 4 differ by less than run-to-run noise, about 3%.)
     """
-    cfg = cfg or gate_up_config(x.shape[0], w1.shape[0])
+    cfg = cfg or gate_up_config(x.shape[0], w1.shape[0], isinstance(w1, MXFP4Experts))
     return _grouped_call(x, (w1, w3), group_sizes, cfg=cfg, fused=True, beta=beta, linear_beta=linear_beta,
                          out_dtype=out_dtype or x.dtype, interpret=interpret, approx=approx_situ)
 
@@ -280,8 +324,10 @@ def grouped_matmul(
     x: jax.Array, w: Weight, group_sizes: jax.Array, *, cfg: TileConfig | None = None, out_dtype=None,
     interpret: bool = False,
 ) -> jax.Array:
-    """x @ w_e^T for rows grouped by expert (fp32 accumulation). x [M, K]; w [E, N, K] -> [M, N]."""
-    cfg = cfg or DOWN_DEFAULT
+    """x @ w_e^T for rows grouped by expert (fp32 accumulation). x [M, K]; w [E, N, K] -> [M, N].
+
+    cfg: None picks `down_config(M, E, packed)`."""
+    cfg = cfg or down_config(x.shape[0], w.shape[0], isinstance(w, MXFP4Experts))
     return _grouped_call(x, (w,), group_sizes, cfg=cfg, fused=False, beta=None, linear_beta=None,
                          out_dtype=out_dtype or x.dtype, interpret=interpret)
 

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.pallas_grouped_gemm import (
-    TileConfig, grouped_gate_up_situ, grouped_matmul, grouped_matmul_tn,
+    TileConfig, for_weights, grouped_gate_up_situ, grouped_matmul, grouped_matmul_tn,
 )
 from pallas_kernels.moe.reference import MXFP4Experts, decode_experts
 
@@ -70,10 +70,12 @@ def _ragged_rows_outer(a: jax.Array, b: jax.Array, group_sizes: jax.Array) -> ja
 
 
 def _fit(cfg: TileConfig, k: int, n: int, w: "jax.Array | MXFP4Experts | None" = None) -> TileConfig:
-    """cfg fitted to a GEMM with contraction K and output width N (against weight w, if packed)."""
+    """cfg fitted to a GEMM with contraction K and output width N (against weight w: packed ones get the
+    MXFP4 operand order and decoder, `for_weights`)."""
     from pallas_kernels.moe.pallas_experts import fit_config  # noqa: PLC0415 (avoid an import cycle)
 
-    return fit_config(cfg, k, n, k_multiple=32 if isinstance(w, MXFP4Experts) else 16)
+    packed = isinstance(w, MXFP4Experts)
+    return fit_config(for_weights(cfg, packed), k, n, k_multiple=32 if packed else 16)
 
 
 def _fit_tn(cfg: TileConfig, p: int, q: int) -> TileConfig:
