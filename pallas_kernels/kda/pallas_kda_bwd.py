@@ -11,7 +11,9 @@ gradient kernel calls on whole 64-token tiles), as five ``pl.pallas_call``s:
    ``dv_new = Aqk^T dO + Kd dS``, store ``dh = dS``, then
    ``dS <- gl * dS + Qg^T dO - W^T dv_new``; its last value is the initial state's gradient.
    V columns are independent in both recurrences, which is what allows the V split.
-4. ``_grads_kernel``, grid ``(B, H, N)``, parallel: dq, dk, dv, dg, dbeta of the chunk.
+4. ``_grads_kernel``, grid ``(B, H, N)``, parallel: dq, dk, dv, dg, dbeta of the chunk; or with
+   ``grads="split"`` ``_value_kernel`` (dv and the V-contracting sums, fp32 to HBM) then
+   ``_key_kernel`` (the rest), two smaller live sets for one more HBM round trip.
 
 Packed sequences (``cu_seqlens``) run on the forward's chunk-aligned layout
 (``varlen_layout.py``); the two recurrences then loop over one sequence's chunk range per program,
@@ -92,16 +94,15 @@ def _dstates_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
     ds0_ref[s, h, :, vs] = lax.fori_loop(c0, c1, body, dht_ref[s, h, :, vs])
 
 
-def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref,
-                  dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, scale, mm_dtype, bv):
-    """One chunk's gradients; the V-contracting terms accumulate over V blocks of ``bv`` columns so
-    that only ``[K, bv]`` slices of the two states are live at a time."""
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+_SUMS = ("dQg", "dW", "dKd", "dAqk", "dLU", "dgl", "dbeta")  # chunk_math.value_terms' sums
+
+
+def _value_sums(b, h, c, A, W, beta, u_ref, v_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref, *,
+                bv, mm_dtype) -> dict:
+    """The V-contracting terms, accumulated over V blocks of ``bv`` columns so that only
+    ``[K, bv]`` slices of the two states are live at a time; stores dv on the way."""
     ts = pl.ds(c * C, C)
-    K, V = k_ref.shape[-1], v_ref.shape[-1]
-    A = a_ref[b, ts, h, :]  # matmul operands only: kept in the stored dtype
-    W = w_ref[b, ts, h, :]
-    beta = b_ref[b, ts, h].astype(_F32)
+    K, V = hs_ref.shape[-2:]
 
     def body(iv, acc):
         vs = pl.ds(iv * bv, bv)
@@ -113,9 +114,14 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref
         return {n: acc[n] + sums[n] for n in acc}
 
     z = lambda *s: jnp.zeros(s, _F32)  # noqa: E731
-    init = dict(dQg=z(C, K), dAqk=z(C, C), dW=z(C, K), dKd=z(C, K), dgl=z(1, K), dLU=z(C, C),
+    init = dict(dQg=z(C, K), dW=z(C, K), dKd=z(C, K), dAqk=z(C, C), dLU=z(C, C), dgl=z(1, K),
                 dbeta=z(C))
-    sums = lax.fori_loop(0, V // bv, body, init)
+    return lax.fori_loop(0, V // bv, body, init)
+
+
+def _store_key_grads(b, h, c, A, W, beta, sums, q_ref, k_ref, g_ref, dq_ref, dk_ref, dg_ref,
+                     db_ref, *, scale, mm_dtype) -> None:
+    ts = pl.ds(c * C, C)
     dqs, dk, dg, dbeta = key_grads(q_ref[b, ts, h, :].astype(_F32) * scale,
                                    k_ref[b, ts, h, :].astype(_F32), g_ref[b, ts, h, :].astype(_F32),
                                    beta, A, W, sums, mm_dtype)
@@ -123,6 +129,56 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref
     dk_ref[b, ts, h, :] = dk.astype(dk_ref.dtype)
     dg_ref[b, ts, h, :] = dg.astype(dg_ref.dtype)
     db_ref[b, ts, h] = dbeta.astype(db_ref.dtype)
+
+
+def _chunk_inputs(a_ref, w_ref, b_ref):
+    """Program ids, then A and W (matmul operands only: kept in the stored dtype) and beta."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ts = pl.ds(c * C, C)
+    return b, h, c, a_ref[b, ts, h, :], w_ref[b, ts, h, :], b_ref[b, ts, h].astype(_F32)
+
+
+def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref,
+                  dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, scale, mm_dtype, bv):
+    """One chunk's gradients in one kernel (``grads="fused"``)."""
+    b, h, c, A, W, beta = _chunk_inputs(a_ref, w_ref, b_ref)
+    sums = _value_sums(b, h, c, A, W, beta, u_ref, v_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
+                       bv=bv, mm_dtype=mm_dtype)
+    _store_key_grads(b, h, c, A, W, beta, sums, q_ref, k_ref, g_ref, dq_ref, dk_ref, dg_ref,
+                     db_ref, scale=scale, mm_dtype=mm_dtype)
+
+
+def _value_kernel(v_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
+                  *sum_refs, mm_dtype, bv):
+    """First half of ``grads="split"``: dv and the V sums (fp32, to HBM)."""
+    b, h, c, A, W, beta = _chunk_inputs(a_ref, w_ref, b_ref)
+    sums = _value_sums(b, h, c, A, W, beta, u_ref, v_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
+                       bv=bv, mm_dtype=mm_dtype)
+    ts = pl.ds(c * C, C)
+    for name, ref in zip(_SUMS, sum_refs):
+        if name == "dgl":
+            ref[b, c, h, :] = jnp.sum(sums[name], axis=0)
+        elif name == "dbeta":
+            ref[b, ts, h] = sums[name]
+        else:
+            ref[b, ts, h, :] = sums[name]
+
+
+def _key_kernel(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, *refs, scale, mm_dtype):
+    """Second half of ``grads="split"``: dq, dk, dg, dbeta from the stored V sums."""
+    *sum_refs, dq_ref, dk_ref, dg_ref, db_ref = refs
+    b, h, c, A, W, beta = _chunk_inputs(a_ref, w_ref, b_ref)
+    ts = pl.ds(c * C, C)
+    sums = {}
+    for name, ref in zip(_SUMS, sum_refs):
+        if name == "dgl":
+            sums[name] = ref[b, c, h, :][None, :]
+        elif name == "dbeta":
+            sums[name] = ref[b, ts, h]
+        else:
+            sums[name] = ref[b, ts, h, :]
+    _store_key_grads(b, h, c, A, W, beta, sums, q_ref, k_ref, g_ref, dq_ref, dk_ref, dg_ref,
+                     db_ref, scale=scale, mm_dtype=mm_dtype)
 
 
 def _params(interpret: bool, num_warps: int, num_stages: int) -> dict:
@@ -206,32 +262,54 @@ def stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets=None, *, block_v, i
     )(*((chunk_offsets,) if varlen else ()), qg, W, aqk, kd, gl, do, dht)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_v") + _TUNING)
-def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, interpret,
+@functools.partial(jax.jit, static_argnames=("scale", "block_v", "split") + _TUNING)
+def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, split, interpret,
                 num_warps, num_stages):
-    """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes."""
-    B, Tp, H, _ = q.shape
+    """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes. ``split``: as two kernels (V
+    sums through HBM in fp32) instead of one, trading HBM traffic for a smaller live set."""
+    B, Tp, H, K = q.shape
+    n = Tp // C
     mm_dtype, _ = _dtypes(v)
     sds = jax.ShapeDtypeStruct
-    return pl.pallas_call(
-        functools.partial(_grads_kernel, scale=scale, mm_dtype=mm_dtype, bv=block_v),
-        grid=(B, H, Tp // C),
-        out_shape=(sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(v.shape, v.dtype),
-                   sds(g.shape, g.dtype), sds(beta.shape, beta.dtype)),
-        interpret=interpret, name="kda_bwd_grads", **_params(interpret, num_warps, num_stages),
-    )(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn)
+    params = _params(interpret, num_warps, num_stages)
+    key_out = (sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype),
+               sds(beta.shape, beta.dtype))
+    if not split:
+        dq, dk, dv, dg, db = pl.pallas_call(
+            functools.partial(_grads_kernel, scale=scale, mm_dtype=mm_dtype, bv=block_v),
+            grid=(B, H, n),
+            out_shape=key_out[:2] + (sds(v.shape, v.dtype),) + key_out[2:],
+            interpret=interpret, name="kda_bwd_grads", **params,
+        )(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn)
+        return dq, dk, dv, dg, db
+    ck, cc = sds((B, Tp, H, K), _F32), sds((B, Tp, H, C), _F32)
+    dv, *sums = pl.pallas_call(
+        functools.partial(_value_kernel, mm_dtype=mm_dtype, bv=block_v),
+        grid=(B, H, n),
+        out_shape=(sds(v.shape, v.dtype), ck, ck, ck, cc, cc, sds((B, n, H, K), _F32),
+                   sds(beta.shape, _F32)),
+        interpret=interpret, name="kda_bwd_grads_v", **params,
+    )(v, beta, A, W, U, hs, dhs, do, dvn)
+    dq, dk, dg, db = pl.pallas_call(
+        functools.partial(_key_kernel, scale=scale, mm_dtype=mm_dtype),
+        grid=(B, H, n),
+        out_shape=key_out,
+        interpret=interpret, name="kda_bwd_grads_k", **params,
+    )(q, k, g, beta, A, W, *sums)
+    return dq, dk, dv, dg, db
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_v", "grads_block_v") + _TUNING)
-def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_block_v,
+@functools.partial(jax.jit,
+                   static_argnames=("scale", "block_v", "grads_block_v", "grads") + _TUNING)
+def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_block_v, grads,
          **tuning):
     A, W, U, aqk, qg, kd, gl = stage_parts(q, k, v, g, beta, scale=scale, **tuning)
     hs = stage_states(W, U, kd, gl, h0, chunk_offsets, block_v=block_v, **tuning)
     dhs, dvn, ds0 = stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets, block_v=block_v,
                                   **tuning)
-    grads = stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, scale=scale,
-                        block_v=grads_block_v, **tuning)
-    return (*grads, ds0)
+    out = stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, scale=scale,
+                      block_v=grads_block_v, split=grads == "split", **tuning)
+    return (*out, ds0)
 
 
 def pallas_chunk_kda_bwd(
@@ -249,6 +327,7 @@ def pallas_chunk_kda_bwd(
     interpret: bool | None = None,
     block_v: int = 64,
     grads_block_v: int = 32,
+    grads: str = "fused",
     num_warps: int = 4,
     num_stages: int = 1,
 ) -> tuple[jax.Array, ...]:
@@ -259,7 +338,7 @@ def pallas_chunk_kda_bwd(
     [N, H, K, V]). Returns ``(dq, dk, dv, dg, dbeta, d initial_state)`` in the inputs' dtypes
     (the state gradient fp32). ``interpret`` defaults to True off GPU. ``block_v``: V columns per
     program of the two state recurrences; ``grads_block_v``: V columns per step of the gradient
-    kernel's loop (its live set).
+    kernel's loop (its live set); ``grads="split"`` runs the gradient pass as two kernels.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -270,6 +349,8 @@ def pallas_chunk_kda_bwd(
         if bad:
             raise ValueError(
                 f"pallas KDA backward on GPU needs K and V powers of two >= 16 (Triton), got {bad}")
+    if grads not in ("fused", "split"):
+        raise ValueError(f"grads: expected 'fused' or 'split', got {grads!r}")
     blocks = {}
     for name, size in (("block_v", block_v), ("grads_block_v", grads_block_v)):
         blocks[name] = min(size, V)
@@ -295,14 +376,14 @@ def pallas_chunk_kda_bwd(
     dq, dk, dv, dg, db, ds0 = _bwd(
         q, k, v, g, beta, initial_state.astype(_F32), do.astype(v.dtype), dht.astype(_F32),
         offsets, scale=float(scale), interpret=bool(interpret), num_warps=num_warps,
-        num_stages=num_stages, **blocks,
+        num_stages=num_stages, grads=grads, **blocks,
     )
-    grads = (dq, dk, dv, dg, db)
+    out = (dq, dk, dv, dg, db)
     if cu_seqlens is not None:
-        grads = tuple(from_aligned(x, layout) for x in grads)
-    elif grads[0].shape[1] != T:
-        grads = tuple(x[:, :T] for x in grads)
-    return (*grads, ds0)
+        out = tuple(from_aligned(x, layout) for x in out)
+    elif dq.shape[1] != T:
+        out = tuple(x[:, :T] for x in out)
+    return (*out, ds0)
 
 
 __all__ = ["pallas_chunk_kda_bwd"]
