@@ -8,9 +8,10 @@ same code runs under ``jax.vmap`` (``chunk_backward.py``) and inside a Pallas-Tr
 Pairwise decays ``exp(G_r - G_i)`` (``r >= i``) are never formed as ``[C, C, K]`` tensors: the
 chunk is split into four 16-row sub-chunks and each factor is taken relative to the midpoint
 ``G_m`` of the *row's* sub-chunk, ``exp(G_r - G_m) * exp(G_m - G_i)``. With the safe gate
-(``g >= -5``) both exponents stay inside ``[-280, 40]``: no overflow in fp32 or bf16, and a factor
-that underflows multiplies a pair whose true decay is below ``e^-100``. A sub-chunk's column
-factors are clamped at ``e^40`` so that the masked (``i > r``) entries stay finite.
+(``g >= -5``) both exponents stay inside ``[-280, 40]``: no overflow in fp32 or bf16, and a column
+factor that underflows (below ``e^-87``) meets a row factor of at most ``e^40``, so the pair it
+drops has a true decay below ``e^-47``. A sub-chunk's column factors are clamped at ``e^40`` so
+that the masked (``i > r``) entries stay finite.
 """
 
 from __future__ import annotations
