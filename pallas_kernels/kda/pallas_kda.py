@@ -50,10 +50,12 @@ so a port to Mosaic GPU / Mosaic TPU is a rewrite of the memory movement, not of
 Triton constraints: K, V and BV must be powers of two >= 16.
 
 Measured on one H200 (2026-11-29, benchmarks/RESULTS.md): B4 T8192 H96 D128 bf16 13.8 ms with
-the fused activations (fla-core 9.94 ms), B1 T32768 H16 5.3 ms (fla 2.28 ms); bf16 error vs the
-fp32 reference equal to fla's. Defaults ``block_v=128, num_warps=8, num_stages=1, intra="v1"``
-are that run's fastest. ``intra="lean"`` is the same math with a smaller live register set
-(see ``_intra_kernel_lean``), verified on CPU only.
+the fused activations (fla-core 9.95 ms in the same job), B1 T32768 H16 4.03 ms (fla 2.28 ms,
+other job); bf16 error vs the
+fp32 reference equal to fla's. Defaults: ``num_warps=8, num_stages=1`` and ``default_tiles``
+(block_v and intra variant by the number of sequence-heads), the fastest measured.
+``intra="split"`` runs the intra stage as two kernels (``_intra_solve_kernel``,
+``_intra_wu_kernel``) with a smaller register set per kernel.
 
 Requires the safe gate: a step with ``g < -5`` (more precisely, > 35-40 nats of decay inside a
 16-token sub-chunk) can overflow the midpoint factorisation; use the XLA reference otherwise.
@@ -84,7 +86,7 @@ NC = C // BC
 MID = 8  # midpoint row of a sub-chunk
 LOWER_BOUND_MIN = -5.0
 _CLAMP = 40.0  # column-factor exponent clamp; needed values are < 35 when g >= -5
-INTRA_VARIANTS = ("v1", "lean", "split")
+INTRA_VARIANTS = ("v1", "split")
 
 
 def _dot(a, b, mm_dtype, *, trans_a=False, trans_b=False):
@@ -210,101 +212,13 @@ def _intra_kernel(
     gl_ref[b, c, h, :] = jnp.exp(G_last)
 
 
-def _intra_kernel_lean(
-    q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, lower_bound,
-):
-    """Same outputs as ``_intra_kernel`` with a smaller live set (not yet timed on a GPU).
-
-    Each value is stored as soon as it exists: G_last comes from one extra [C, K] gate load up
-    front, so Qg, Kd and the Aqk row block of sub-chunk I are written in the first pass, q is
-    dropped after it, and v is loaded only inside the W/U products. Peak live fp32 data is about
-    k and G of the four sub-chunks (~64 KB at K=128) instead of ~200 KB.
-    """
-    if fused:
-        gs_ref, db_ref, w_ref, u_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
-    else:
-        w_ref, u_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    if fused:
-        gate_scale = gs_ref[h, :].astype(_F32)[None, :]
-        dt_bias = db_ref[h, :].astype(_F32)[None, :]
-    K = q_ref.shape[-1]
-    t0 = c * C
-    sd = w_ref.dtype
-    rows = lax.broadcasted_iota(jnp.int32, (BC, K), 0)
-    ri = lax.broadcasted_iota(jnp.int32, (BC, BC), 0)
-    ci = lax.broadcasted_iota(jnp.int32, (BC, BC), 1)
-    eye = (ri == ci).astype(_F32)
-    zeros = jnp.zeros((BC, BC), a_ref.dtype)
-
-    def gate(g):
-        g = g.astype(_F32)
-        return lower_bound * jax.nn.sigmoid(gate_scale * (g + dt_bias)) if fused else g
-
-    def l2(x):
-        x = x.astype(_F32)
-        return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6) if fused else x
-
-    def beta_at(ts):
-        beta = b_ref[b, ts, h].astype(_F32)
-        return jax.nn.sigmoid(beta) if fused else beta
-
-    G_last = jnp.sum(gate(g_ref[b, pl.ds(t0, C), h, :]), axis=0)
-    gl_ref[b, c, h, :] = jnp.exp(G_last)
-
-    ks, Gs, betas, L = [], [], [], {}
-    carry = jnp.zeros((K,), _F32)
-    for i in range(NC):
-        ts = pl.ds(t0 + i * BC, BC)
-        k = l2(k_ref[b, ts, h, :])
-        G = jnp.cumsum(gate(g_ref[b, ts, h, :]), axis=0) + carry[None, :]
-        carry = jnp.sum(jnp.where(rows == BC - 1, G, 0.0), axis=0)
-        beta = beta_at(ts)
-        qs = l2(q_ref[b, ts, h, :]) * scale
-        qg_ref[b, ts, h, :] = (qs * jnp.exp(G)).astype(sd)
-        kd_ref[b, ts, h, :] = (k * jnp.exp(G_last[None, :] - G)).astype(sd)
-        ks.append(k)
-        Gs.append(G)
-        betas.append(beta)
-        G_m = jnp.sum(jnp.where(rows == MID, G, 0.0), axis=0)[None, :]
-        row_fac = jnp.exp(G - G_m)
-        kl = k * row_fac
-        ql = qs * row_fac
-        for j in range(NC):
-            if j > i:
-                a_ref[b, ts, h, pl.ds(j * BC, BC)] = zeros
-                continue
-            kr = ks[j] * jnp.exp(jnp.minimum(G_m - Gs[j], _CLAMP))
-            lk = _dot(kl, kr, mm_dtype, trans_b=True) * beta[:, None]
-            aq = _dot(ql, kr, mm_dtype, trans_b=True)
-            if i == j:
-                lk = jnp.where(ri > ci, lk, 0.0)
-                aq = jnp.where(ri >= ci, aq, 0.0)
-            L[i, j] = lk
-            a_ref[b, ts, h, pl.ds(j * BC, BC)] = aq.astype(a_ref.dtype)
-
-    bk = [betas[j][:, None] * ks[j] * jnp.exp(Gs[j]) for j in range(NC)]
-    X = _unit_lower_inverse(L, eye)
-    for i in range(NC):
-        w = None
-        u = None
-        for j in range(i + 1):
-            bv = betas[j][:, None] * v_ref[b, pl.ds(t0 + j * BC, BC), h, :].astype(_F32)
-            dw = _dot(X[i, j], bk[j], mm_dtype)
-            du = _dot(X[i, j], bv, mm_dtype)
-            w = dw if w is None else w + dw
-            u = du if u is None else u + du
-        ts = pl.ds(t0 + i * BC, BC)
-        w_ref[b, ts, h, :] = w.astype(sd)
-        u_ref[b, ts, h, :] = u.astype(u_ref.dtype)
-
-
 def _intra_solve_kernel(
     q_ref, k_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, lower_bound,
 ):
-    """First half of ``intra="split"``: everything of ``_intra_kernel_lean`` except W and U.
+    """First half of ``intra="split"``: the sub-chunk blocks and the inverse, not W and U.
 
-    Writes ``X = (I + L)^{-1}`` (its 16x16 blocks, zeros above the diagonal) and
+    Each sub-chunk's Qg and Aqk row block are stored as soon as they exist and v is not loaded
+    at all. Writes ``X = (I + L)^{-1}`` (its 16x16 blocks, zeros above the diagonal) and
     ``bk = beta k e^G`` instead of multiplying them here, so v and the W/U accumulators never
     share registers with the sub-chunk lists; ``_intra_wu_kernel`` then forms W and U as two
     whole-chunk [C, C] x [C, *] products. Same roundings as "v1": X and bk are exactly the
@@ -335,10 +249,7 @@ def _intra_solve_kernel(
         x = x.astype(_F32)
         return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6) if fused else x
 
-    G_last = jnp.sum(gate(g_ref[b, pl.ds(t0, C), h, :]), axis=0)
-    gl_ref[b, c, h, :] = jnp.exp(G_last)
-
-    ks, Gs, betas, L = [], [], [], {}
+    ks, Gs, L = [], [], {}
     carry = jnp.zeros((K,), _F32)
     for i in range(NC):
         ts = pl.ds(t0 + i * BC, BC)
@@ -349,7 +260,6 @@ def _intra_solve_kernel(
         beta = jax.nn.sigmoid(beta) if fused else beta
         qs = l2(q_ref[b, ts, h, :]) * scale
         qg_ref[b, ts, h, :] = (qs * jnp.exp(G)).astype(sd)
-        kd_ref[b, ts, h, :] = (k * jnp.exp(G_last[None, :] - G)).astype(sd)
         bk_ref[b, ts, h, :] = (beta[:, None] * k * jnp.exp(G)).astype(sd)
         ks.append(k)
         Gs.append(G)
@@ -370,9 +280,15 @@ def _intra_solve_kernel(
             L[i, j] = lk
             a_ref[b, ts, h, pl.ds(j * BC, BC)] = aq.astype(a_ref.dtype)
 
+    # G_last is the cumsum's own last row (not a separate sum of the gates), so that the last
+    # row of Kd = k e^{G_last - G} is exactly k: a second summation order is off by ~1e-5
+    # relative at G_last ~ -160, which would show directly in the state.
+    G_last = carry
+    gl_ref[b, c, h, :] = jnp.exp(G_last)
     X = _unit_lower_inverse(L, eye)
     for i in range(NC):
         ts = pl.ds(t0 + i * BC, BC)
+        kd_ref[b, ts, h, :] = (ks[i] * jnp.exp(G_last[None, :] - Gs[i])).astype(sd)
         for j in range(NC):
             blk = X[i, j].astype(x_ref.dtype) if j <= i else zeros
             x_ref[b, ts, h, pl.ds(j * BC, BC)] = blk
@@ -488,9 +404,8 @@ def _pallas_chunk_kda(
         w, u, qg, kd, aqk, gl = _intra_split(ins, mm_dtype, sd, scale, fused, lower_bound,
                                             interpret, params)
     else:
-        kernel = {"v1": _intra_kernel, "lean": _intra_kernel_lean}[intra]
         intra_fn = functools.partial(
-            kernel, scale=scale, mm_dtype=mm_dtype, fused=fused, lower_bound=lower_bound
+            _intra_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused, lower_bound=lower_bound
         )
         w, u, qg, kd, aqk, gl = pl.pallas_call(
             intra_fn,
@@ -527,6 +442,22 @@ def _pallas_chunk_kda(
     return o, ht
 
 
+FEW_SEQUENCE_HEADS = 128  # below this many (sequence, head) pairs, favour parallelism
+
+
+def default_tiles(sequence_heads: int) -> tuple[int, str]:
+    """(block_v, intra) measured fastest on an H200 (2026-11-29, benchmarks/RESULTS.md).
+
+    The inter kernel has one program per (sequence, head, V block), each walking all chunks, so
+    with few sequence-heads (B1 H16: 16 programs for 132 SMs) halving block_v doubles the
+    parallel programs and the lighter two-kernel intra stage helps: 4.03 vs 5.30 ms at B1 T32768
+    H16. With many (B4 H96) the whole-width "v1" is fastest: 13.8 ms vs 14.4 ("split").
+    """
+    if sequence_heads < FEW_SEQUENCE_HEADS:
+        return 64, "split"
+    return 128, "v1"
+
+
 def _default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
@@ -542,10 +473,10 @@ def pallas_chunk_kda(
     initial_state: jax.Array | None = None,
     cu_seqlens: object | None = None,
     interpret: bool | None = None,
-    block_v: int = 128,
+    block_v: int | None = None,
     num_warps: int = 8,
     num_stages: int = 1,
-    intra: str = "v1",
+    intra: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked KDA forward (safe gate, pre-activated inputs; fla conventions).
 
@@ -573,10 +504,10 @@ def pallas_chunk_kda_fused_gate(
     initial_state: jax.Array | None = None,
     cu_seqlens: object | None = None,
     interpret: bool | None = None,
-    block_v: int = 128,
+    block_v: int | None = None,
     num_warps: int = 8,
     num_stages: int = 1,
-    intra: str = "v1",
+    intra: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """As ``pallas_chunk_kda`` with K3's input activations fused into the intra kernel.
 
@@ -608,6 +539,10 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
             raise ValueError(
                 f"pallas KDA on GPU needs K and V powers of two >= 16 (Triton), got {bad}"
             )
+    n_seq = B if cu_seqlens is None else host_offsets(cu_seqlens, T).size - 1
+    auto_bv, auto_intra = default_tiles(n_seq * H)
+    block_v = auto_bv if block_v is None else block_v
+    intra = auto_intra if intra is None else intra
     if intra not in INTRA_VARIANTS:
         raise ValueError(f"intra: expected one of {INTRA_VARIANTS}, got {intra!r}")
     if not _is_pow2(block_v) or block_v < 16:
