@@ -87,10 +87,11 @@ def convert(
 ) -> ConvertResult:
     """Convert `hf_dir` into `out_dir`; with `resume`, continue an interrupted conversion there.
 
-    `sync=False` commits items without waiting for their data to reach the disk (as `cp` does): a
-    killed conversion still resumes exactly, but one cut short by a crash or power loss of the machine
-    may have committed items whose data never reached the disk (`--verify` finds them). It saves the
-    time of writing everything to the disk, when that is slower than converting.
+    `sync=False` (single-process conversions) commits items without waiting for their data to reach
+    the disk, as `cp` does: a killed conversion still resumes exactly, but one cut short by a crash
+    or power loss of the machine may have committed items whose data never reached the disk
+    (`--verify` finds them). It saves the time of writing everything to the disk, when that is
+    slower than converting.
 
     With `mesh` ("expert=8" or a Mesh, over every process's devices) each process reads and writes
     only its devices' slices (`sharded`); the output is the same."""

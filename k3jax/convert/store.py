@@ -6,9 +6,9 @@
                             `checksum`), and per committed item its leaves' shape, dtype and crc32
     OUT/COMPLETE            written last; holds the sha256 of the final manifest
 
-Every step is atomic under SIGKILL, and durable: an item is written under a `.tmp` name, its files
-are fsynced and it is renamed (`ItemStore.commit`), and only then added to the manifest, itself
-replaced atomically. So a directory is either COMPLETE (and then loadable) or resumable, and
+Every step is atomic under SIGKILL, and durable unless `sync=False`: an item is written under a
+`.tmp` name, its files are fsynced and it is renamed (`ItemStore.commit`), and only then added to
+the manifest, itself replaced atomically. So a directory is either COMPLETE (and then loadable) or resumable, and
 anything not in the manifest is debris. TensorStore's own per-file fsync is off (`_UnsyncedNumpyHandler`)
 so that the writing thread never waits for the disk; `commit` does the fsync, and the converter
 runs it for one item while the next is being written.
@@ -135,8 +135,9 @@ class _Unstaged(np.ndarray):
 
 class _UnsyncedNumpyHandler(ocp.type_handlers.NumpyHandler):
     """Orbax's numpy handler with TensorStore's `file_io_sync` off: by default every data file is
-    fsynced before its write completes, so the writer waits for the disk (~1 GB/s here) instead of
-    the page cache (~3 GB/s). `ItemStore.commit` fsyncs the finished item instead, off the writing thread.
+    fsynced before its write completes, so the writer waits for the disk (~1 GB/s on the benchmark
+    VM) instead of the page cache (~3 GB/s). `ItemStore.commit` fsyncs the finished item instead,
+    off the writing thread.
 
     The child context keeps everything else of Orbax's per-save context (the OCDBT cache pool shared
     by all arrays of one save); one child per save, so the arrays of a save share one database."""
