@@ -3,8 +3,11 @@
 Run on the GPU machine, torch half first (it writes the shared numerics case to /tmp):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site device_carry/wheels/*.whl
-    PYTHONPATH=/tmp/site:. timeout 280 python3 benchmarks/kda_bwd_h200.py torch
+    PYTHONPATH=/tmp/site:. timeout 400 python3 benchmarks/kda_bwd_h200.py torch
     PYTHONPATH=. timeout 280 python3 benchmarks/kda_bwd_h200.py jax
+
+(fla autotunes every kernel on its first call per head count: the torch half's first calls can
+take minutes; it skips the second shape after 200 s.)
 
 Both halves use the pre-activated call (the layer computes l2norm, gate and beta outside): unit
 q/k, ``g = -5 * sigmoid(x)`` log-decay, ``beta = sigmoid(x)``, all bf16, fp32 state, the
@@ -26,7 +29,9 @@ import numpy as np
 
 OUT = os.environ.get("OUT", ".")
 SHAPES = [(4, 8192, 96), (1, 32768, 16)]  # (B, T, H), D = 128
-CHECK = (1, 2048, 8)  # numerics case shared by both halves
+# Numerics case shared by both halves; H = 96 like the big shape, so that fla's Triton autotuning
+# (keyed on H, K, V) done on it carries over to the timed call.
+CHECK = (1, 512, 96)
 LB = -5.0
 D = 128
 CMP = "/tmp/kda_bwd_cmp.npz"
@@ -90,7 +95,7 @@ def run_torch():
 
     for B, T, H in SHAPES:
         name = f"fla_B{B}_T{T}_H{H}"
-        if time.time() - T0 > 170:
+        if time.time() - T0 > 200:
             res[name] = "skipped: time budget"
             break
         try:
@@ -187,7 +192,7 @@ def run_jax():
         if "fla_dq" in x:
             num["fla_bf16_vs_ref"] = {n: rel(x[f"fla_d{n}"], b) for n, b in zip(NAMES, ref)}
             num["ours_bf16_vs_fla"] = {n: rel(a, x[f"fla_d{n}"]) for n, a in zip(NAMES, got16)}
-        res["numerics_B1_T2048_H8"] = num
+        res["numerics_B{}_T{}_H{}".format(*CHECK)] = num
     except Exception:
         res["numerics_error"] = traceback.format_exc()[-3000:]
     save(res, out)
