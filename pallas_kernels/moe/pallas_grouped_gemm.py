@@ -16,9 +16,10 @@ the MMA transposed (no host-side transpose). Rows past ``sum(group_sizes)`` come
 
 MXFP4 weights (``MXFP4Experts``: uint8 codes [E, N, K/2] + E8M0 scales [E, N, K/32], the release layout)
 go through the same kernel: each k step loads the packed [bn, bk/2] code tile and its [bn, bk/32] scales
-and decodes them to x's dtype in registers (mxfp4_tile.py) right before the dot, so HBM traffic for
-weights is 4.25 bits per weight and no decoded copy of the layer is ever written. block_k must then be
-a multiple of 32 (one scale byte per 32 inputs).
+and decodes them to x's dtype in registers (mxfp4_tile.py; on GPU the PTX decoder, mxfp4_tile_ptx.py)
+right before the dot, so HBM traffic for weights is 4.25 bits per weight and no decoded copy of the layer
+is ever written. Their default configs (`for_weights`) feed the decoded tile as the MMA's left operand so
+it goes from registers straight to wgmma. block_k must be a multiple of 32 (one scale byte per 32 inputs).
 
 Work decomposition (computed in plain JAX inside the same jit, a few hundred int32 ops): every expert's
 rows are cut into ``block_m`` row tiles that never straddle two experts (at most ``cdiv(M, bm) + E``
@@ -39,8 +40,9 @@ interpreter is private (``jax._src``) and handles a single block only. (2) The T
 Triton IR on a CPU machine (``.lower(lowering_platforms=("cuda",))`` with an abstract H200, see
 tests/moe/test_pallas_moe.py), so lowering errors are caught before any device time is spent; the Triton
 compiler then chooses the MMA instructions, the async-copy pipeline (``num_stages``) and the register
-layout itself (the SASS was not inspected; the measured rate, 0.98x ``torch._grouped_mm``, says the
-tensor cores are well used). (3) Masked stores and data-dependent tile metadata are
+layout itself (the measured rate, 0.98x ``torch._grouped_mm``, says the tensor cores are well used; the
+Triton IR compiled offline with Triton 3.6 for sm_90 shows async wgmma with the accumulator kept in
+flight across k steps, ``WARPGROUP.DEPBAR.LE gsb0, 0x2``). (3) Masked stores and data-dependent tile metadata are
 one line each in Triton; in Mosaic GPU they need hand-built TMA descriptors/barriers and warp
 specialisation to reach the same speed. The price: no TMA multicast, no warp-specialised producer, no
 persistent grid, so the ceiling is that of a good non-persistent Triton GEMM. The metadata/ordering code
