@@ -81,3 +81,13 @@ def test_finite_check_on_the_bits_agrees_with_isfinite(dtype):
         poisoned = values.copy()
         poisoned[299_999] = bad
         assert not _all_finite(poisoned) and not _all_finite(poisoned.reshape(1, -1))
+
+
+def test_table_decode_reports_blocks_that_overflow():
+    from k3jax.convert.transform import _decode_pair
+
+    packed, scale = np.full((2, 16), 0x77, np.uint8), np.full((2, 1), 127, np.uint8)  # codes 6.0, factor 1
+    assert _decode_pair(("p", "s"), packed, scale, np.dtype(np.float32)).max() == 6.0
+    scale[1, 0] = 254  # 6.0 * 2^127 overflows float32
+    with pytest.raises(CheckpointError, match=r"tensor p / s holds 0 NaN and 32 inf value\(s\).*\[1, 0\]"):
+        _decode_pair(("p", "s"), packed, scale, np.dtype(ml_dtypes.bfloat16))
