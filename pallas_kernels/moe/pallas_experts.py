@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.pallas_grouped_gemm import (
-    DOWN_DEFAULT, TileConfig, Weight, down_config, gate_up_config,
+    TileConfig, Weight, down_config, gate_up_config,
 )
 from pallas_kernels.moe.pallas_vjp import expert_mlp
 from pallas_kernels.moe.reference import MXFP4Experts, sort_by_expert
@@ -59,14 +59,15 @@ def experts_pallas(
     x: jax.Array, w1: Weight, w2: Weight, w3: Weight, weights: jax.Array, ids: jax.Array,
     *, beta: float, linear_beta: float | None, interpret: bool | None = None,
     gate_up_cfg: TileConfig | None = None, down_cfg: TileConfig | None = None,
-    bwd_cfg: TileConfig = DOWN_DEFAULT,
+    bwd_cfg: TileConfig | None = None,
 ) -> jax.Array:
     """sum_j weights[n, j] * w2_e SiTU(w1_e x_n, w3_e x_n) in fp32. x [N, in]; w1, w3 [E, F, in]; w2 [E, out, F].
 
     Differentiable in x, w1, w2, w3 and weights: the expert MLP on the sorted rows is a `jax.custom_vjp`
     (pallas_vjp.expert_mlp: recompute gate/up, Pallas grouped GEMMs for dh and dx, and the Pallas
     row-contracting grouped GEMM `grouped_matmul_tn` for the per-expert weight gradients); gather,
-    padding, routing weights and scatter-add are plain JAX. bwd_cfg: tiles of the backward's grouped GEMMs.
+    padding, routing weights and scatter-add are plain JAX. bwd_cfg: tiles of the backward's grouped GEMMs
+    (None: `down_config` for bf16 weights, which adds the 32-row tail tile when experts are small).
     Weights may be `MXFP4Experts`: the grouped GEMMs then read the packed codes and scales and decode each
     tile in registers (mxfp4_tile.py); the backward decodes the layer in XLA (packed weights get no gradient).
     On an H200 (2026-11-29, one ad-hoc run): bf16 gradients within 3-5e-3 of an fp32 oracle (XLA's bf16 path:
@@ -86,6 +87,7 @@ def experts_pallas(
     w2 = _pad_to(_pad_to(w2, 2), 1)
     gate_up_cfg = gate_up_cfg or gate_up_config(rows.shape[0], num_experts, isinstance(w1, MXFP4Experts))
     down_cfg = down_cfg or down_config(rows.shape[0], num_experts, isinstance(w2, MXFP4Experts))
+    bwd_cfg = bwd_cfg or down_config(rows.shape[0], num_experts)
     outs = expert_mlp(rows, w1, w2, w3, group_sizes, float(beta),
                       None if linear_beta is None else float(linear_beta), bool(interpret), gate_up_cfg,
                       down_cfg, bwd_cfg)
