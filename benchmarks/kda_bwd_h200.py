@@ -235,7 +235,7 @@ def run_jax():
         )
 
     # ---- timing: ours fwd+bwd (the chunk_kda "pallas" path), fwd alone, bwd alone ------------
-    for B, T, H in SHAPES:
+    def essentials(B, T, H):
         args = inputs(B, T, H)
         r = res[f"B{B}_T{T}_H{H}"] = {}
         attempt(r, "ours_fwd_bwd_ms", lambda: bench(api_vjp("pallas"), args))
@@ -249,48 +249,61 @@ def run_jax():
                 jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale, grads=grads,
                                                            num_warps=nw)), args), budget=150)
         save(res, out)
-        del args
 
-    # ---- big shape: where the backward's time goes (per stage, a few configs), old path ------
+    for shape in SHAPES:
+        essentials(*shape)
+
+    # ---- the old path (Pallas forward + VJP of the XLA reference), big shape ------------------
+    def ref_path(q, k, v, g, beta, h0, do, dht):
+        o, s = pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0)
+        _, vjp = jax.vjp(lambda *a: chunked_kda(*a[:5], scale=scale, initial_state=a[5]),
+                         q, k, v, g, beta, h0)
+        return o, s, vjp((do, dht))
+
     B, T, H = SHAPES[0]
-    args = q, k, v, g, beta, h0, do, dht = inputs(B, T, H)
-    r = res[f"B{B}_T{T}_H{H}"]
+    attempt(res[f"B{B}_T{T}_H{H}"], "reference_vjp_path_fwd_bwd_ms",
+            lambda: bench(jax.jit(ref_path), inputs(B, T, H), n_rep=2, n_inner=2), budget=150)
+    save(res, out)
+
+    # ---- where the backward's time goes: per stage, a few configs ---------------------------
     tun = lambda nw, ns: dict(interpret=False, num_warps=nw, num_stages=ns)  # noqa: E731
-    try:
+
+    def stages(shape, grads_cfgs, parts_cfgs, state_cfgs):
+        q, k, v, g, beta, h0, do, dht = inputs(*shape)
+        r = res["B{}_T{}_H{}".format(*shape)]
         A, W, U, aqk, qg, kd, gl = pb.stage_parts(q, k, v, g, beta, scale=scale, **tun(4, 1))
         hs = pb.stage_states(W, U, kd, gl, h0, block_v=64, **tun(4, 1))
         dhs, dvn, _ = pb.stage_dstates(qg, W, aqk, kd, gl, do, dht, block_v=64, **tun(4, 1))
-        for split, gbv, nw, ns in ((False, 32, 4, 1), (True, 32, 4, 1), (False, 64, 8, 1),
-                                   (True, 64, 8, 1), (False, 32, 8, 2), (False, 128, 8, 1)):
+        for split, gbv, nw, ns in grads_cfgs:
             tag = f"stage_grads_{'split' if split else 'fused'}_bv{gbv}_w{nw}_s{ns}_ms"
             attempt(r, tag, lambda split=split, gbv=gbv, nw=nw, ns=ns: bench(
                 lambda *a: pb.stage_grads(*a, scale=scale, block_v=gbv, split=split,
                                           **tun(nw, ns)),
                 (q, k, v, g, beta, A, W, U, hs, dhs, do, dvn)))
             save(res, out)
-        for nw, ns in ((4, 1), (8, 1)):
+        for nw, ns in parts_cfgs:
             attempt(r, f"stage_parts_w{nw}_s{ns}_ms", lambda nw=nw, ns=ns: bench(
                 lambda *a: pb.stage_parts(*a, scale=scale, **tun(nw, ns)), (q, k, v, g, beta)))
-        for bv, nw in ((64, 4), (32, 4), (128, 8)):
+        for bv, nw in state_cfgs:
             attempt(r, f"stage_states_bv{bv}_w{nw}_ms", lambda bv=bv, nw=nw: bench(
                 lambda *a: pb.stage_states(*a, block_v=bv, **tun(nw, 1)), (W, U, kd, gl, h0)))
             attempt(r, f"stage_dstates_bv{bv}_w{nw}_ms", lambda bv=bv, nw=nw: bench(
                 lambda *a: pb.stage_dstates(*a, block_v=bv, **tun(nw, 1)),
                 (qg, W, aqk, kd, gl, do, dht)))
             save(res, out)
-    except Exception:
-        r["stages_error"] = traceback.format_exc()[-2000:]
-    save(res, out)
 
-    def ref_path(q, k, v, g, beta, h0, do, dht):  # Pallas forward + VJP of the XLA reference
-        o, s = pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0)
-        _, vjp = jax.vjp(lambda *a: chunked_kda(*a[:5], scale=scale, initial_state=a[5]),
-                         q, k, v, g, beta, h0)
-        return o, s, vjp((do, dht))
-
-    attempt(r, "reference_vjp_path_fwd_bwd_ms",
-            lambda: bench(jax.jit(ref_path), args, n_rep=2, n_inner=2), budget=200)
-    save(res, out)
+    sweeps = [
+        (SHAPES[0], ((False, 32, 4, 1), (True, 32, 4, 1), (False, 64, 8, 1), (True, 64, 8, 1),
+                     (False, 32, 8, 2), (False, 128, 8, 1)),
+         ((4, 1), (8, 1)), ((64, 4), (32, 4), (128, 8))),
+        (SHAPES[1], ((False, 32, 4, 1),), (), ((32, 4), (16, 4))),  # few (sequence, head) pairs
+    ]
+    for shape, *cfgs in sweeps:
+        try:
+            stages(shape, *cfgs)
+        except Exception:
+            res["B{}_T{}_H{}".format(*shape)]["stages_error"] = traceback.format_exc()[-2000:]
+        save(res, out)
 
 
 if __name__ == "__main__":
