@@ -107,3 +107,12 @@ def test_tail_tiles_lower_to_triton_for_cuda(monkeypatch: pytest.MonkeyPatch) ->
     cfg = pg.TileConfig(128, 128, 64, 8, 4, weights_lhs=True, tail_m=32)
     fn = lambda *a: pg.grouped_gate_up_situ(*a, cfg=cfg)  # noqa: E731
     assert "__gpu$xla.gpu.triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_default_configs_by_group_size_and_weight_format() -> None:
+    """Tiles picked from static shapes: small groups (< 320 rows/expert) get the tail tile; MXFP4 weights the
+    left-operand order and the PTX decoder; the 28-expert bf16 defaults are the measured ones, unchanged."""
+    assert pg.gate_up_config(16384, 28) == pg.GATE_UP_DEFAULT and pg.down_config(16384, 28) == pg.DOWN_DEFAULT
+    assert pg.gate_up_config(16384, 112).tail_m == 32 and pg.down_config(16384, 112).tail_m == 32
+    for cfg in (pg.gate_up_config(16384, 28, mxfp4=True), pg.down_config(16384, 112, mxfp4=True)):
+        assert cfg.weights_lhs and cfg.ptx_decode
