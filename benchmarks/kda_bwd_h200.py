@@ -244,7 +244,7 @@ def run_jax():
             lambda *a: pallas_chunk_kda(*a[:5], scale=scale, initial_state=a[5])), args[:6]))
         attempt(r, "ours_bwd_ms", lambda: bench(
             jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale)), args))
-        for grads, nw in (("split", 4), ("fused", 8), ("split", 8)):
+        for grads, nw in (("blocked", 4), ("blocked", 8), ("fused", 8), ("split", 4)):
             attempt(r, f"ours_bwd_{grads}_w{nw}_ms", lambda grads=grads, nw=nw: bench(
                 jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale, grads=grads,
                                                            num_warps=nw)), args), budget=150)
@@ -274,10 +274,10 @@ def run_jax():
         A, W, U, aqk, qg, kd, gl = pb.stage_parts(q, k, v, g, beta, scale=scale, **tun(4, 1))
         hs = pb.stage_states(W, U, kd, gl, h0, block_v=64, **tun(4, 1))
         dhs, dvn, _ = pb.stage_dstates(qg, W, aqk, kd, gl, do, dht, block_v=64, **tun(4, 1))
-        for split, gbv, nw, ns in grads_cfgs:
-            tag = f"stage_grads_{'split' if split else 'fused'}_bv{gbv}_w{nw}_s{ns}_ms"
-            attempt(r, tag, lambda split=split, gbv=gbv, nw=nw, ns=ns: bench(
-                lambda *a: pb.stage_grads(*a, scale=scale, block_v=gbv, split=split,
+        for variant, gbv, nw, ns in grads_cfgs:
+            tag = f"stage_grads_{variant}_bv{gbv}_w{nw}_s{ns}_ms"
+            attempt(r, tag, lambda variant=variant, gbv=gbv, nw=nw, ns=ns: bench(
+                lambda *a: pb.stage_grads(*a, scale=scale, block_v=gbv, variant=variant,
                                           **tun(nw, ns)),
                 (q, k, v, g, beta, A, W, U, hs, dhs, do, dvn)))
             save(res, out)
@@ -293,10 +293,11 @@ def run_jax():
             save(res, out)
 
     sweeps = [
-        (SHAPES[0], ((False, 32, 4, 1), (True, 32, 4, 1), (False, 64, 8, 1), (True, 64, 8, 1),
-                     (False, 32, 8, 2), (False, 128, 8, 1)),
+        (SHAPES[0], (("fused", 32, 4, 1), ("blocked", 32, 4, 1), ("blocked", 64, 8, 1),
+                     ("fused", 64, 8, 1), ("split", 32, 4, 1), ("blocked", 32, 8, 2),
+                     ("fused", 128, 8, 1)),
          ((4, 1), (8, 1)), ((64, 4), (32, 4), (128, 8))),
-        (SHAPES[1], ((False, 32, 4, 1),), (), ((32, 4), (16, 4))),  # few (sequence, head) pairs
+        (SHAPES[1], (("fused", 32, 4, 1), ("blocked", 32, 4, 1)), (), ((32, 4), (16, 4))),
     ]
     for shape, *cfgs in sweeps:
         try:

@@ -13,7 +13,8 @@ gradient kernel calls on whole 64-token tiles), as five ``pl.pallas_call``s:
    V columns are independent in both recurrences, which is what allows the V split.
 4. ``_grads_kernel``, grid ``(B, H, N)``, parallel: dq, dk, dv, dg, dbeta of the chunk; or with
    ``grads="split"`` ``_value_kernel`` (dv and the V-contracting sums, fp32 to HBM) then
-   ``_key_kernel`` (the rest), two smaller live sets for one more HBM round trip.
+   ``_key_kernel`` (the rest), two smaller live sets for one more HBM round trip; ``"blocked"``
+   takes the key side in 16-row blocks (``pallas_bwd_blocked.py``), ~5x fewer multiply-adds.
 
 Packed sequences (``cu_seqlens``) run on the forward's chunk-aligned layout
 (``varlen_layout.py``); the two recurrences then loop over one sequence's chunk range per program,
@@ -35,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C, dot, key_grads, value_terms
+from pallas_kernels.kda.pallas_bwd_blocked import key_kernel_blocked
 from pallas_kernels.kda.pallas_kda import _intra_solve_kernel, _intra_wu_kernel
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
@@ -150,7 +152,7 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref
 
 def _value_kernel(v_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
                   *sum_refs, mm_dtype, bv):
-    """First half of ``grads="split"``: dv and the V sums (fp32, to HBM)."""
+    """First half of ``grads="split"`` / ``"blocked"``: dv and the V sums (fp32, to HBM)."""
     b, h, c, A, W, beta = _chunk_inputs(a_ref, w_ref, b_ref)
     sums = _value_sums(b, h, c, A, W, beta, u_ref, v_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
                        bv=bv, mm_dtype=mm_dtype)
@@ -262,11 +264,15 @@ def stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets=None, *, block_v, i
     )(*((chunk_offsets,) if varlen else ()), qg, W, aqk, kd, gl, do, dht)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_v", "split") + _TUNING)
-def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, split, interpret,
-                num_warps, num_stages):
-    """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes. ``split``: as two kernels (V
-    sums through HBM in fp32) instead of one, trading HBM traffic for a smaller live set."""
+GRADS_VARIANTS = ("fused", "split", "blocked")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_v", "variant") + _TUNING)
+def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, variant,
+                interpret, num_warps, num_stages):
+    """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes. ``variant``: "fused" (one
+    kernel), "split" (V sums through HBM in fp32, then the whole-chunk key side) or "blocked"
+    (V sums through HBM, then ``pallas_bwd_blocked``'s sub-chunk-blocked key side)."""
     B, Tp, H, K = q.shape
     n = Tp // C
     mm_dtype, _ = _dtypes(v)
@@ -274,7 +280,7 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, 
     params = _params(interpret, num_warps, num_stages)
     key_out = (sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype),
                sds(beta.shape, beta.dtype))
-    if not split:
+    if variant == "fused":
         dq, dk, dv, dg, db = pl.pallas_call(
             functools.partial(_grads_kernel, scale=scale, mm_dtype=mm_dtype, bv=block_v),
             grid=(B, H, n),
@@ -290,11 +296,12 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, 
                    sds(beta.shape, _F32)),
         interpret=interpret, name="kda_bwd_grads_v", **params,
     )(v, beta, A, W, U, hs, dhs, do, dvn)
+    key = _key_kernel if variant == "split" else key_kernel_blocked
     dq, dk, dg, db = pl.pallas_call(
-        functools.partial(_key_kernel, scale=scale, mm_dtype=mm_dtype),
+        functools.partial(key, scale=scale, mm_dtype=mm_dtype),
         grid=(B, H, n),
         out_shape=key_out,
-        interpret=interpret, name="kda_bwd_grads_k", **params,
+        interpret=interpret, name=f"kda_bwd_grads_k_{variant}", **params,
     )(q, k, g, beta, A, W, *sums)
     return dq, dk, dv, dg, db
 
@@ -308,7 +315,7 @@ def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_
     dhs, dvn, ds0 = stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets, block_v=block_v,
                                   **tuning)
     out = stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, scale=scale,
-                      block_v=grads_block_v, split=grads == "split", **tuning)
+                      block_v=grads_block_v, variant=grads, **tuning)
     return (*out, ds0)
 
 
@@ -338,7 +345,7 @@ def pallas_chunk_kda_bwd(
     [N, H, K, V]). Returns ``(dq, dk, dv, dg, dbeta, d initial_state)`` in the inputs' dtypes
     (the state gradient fp32). ``interpret`` defaults to True off GPU. ``block_v``: V columns per
     program of the two state recurrences; ``grads_block_v``: V columns per step of the gradient
-    kernel's loop (its live set); ``grads="split"`` runs the gradient pass as two kernels.
+    kernel's loop (its live set); ``grads`` picks the gradient pass's kernels (see ``stage_grads``).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -349,8 +356,8 @@ def pallas_chunk_kda_bwd(
         if bad:
             raise ValueError(
                 f"pallas KDA backward on GPU needs K and V powers of two >= 16 (Triton), got {bad}")
-    if grads not in ("fused", "split"):
-        raise ValueError(f"grads: expected 'fused' or 'split', got {grads!r}")
+    if grads not in GRADS_VARIANTS:
+        raise ValueError(f"grads: expected one of {GRADS_VARIANTS}, got {grads!r}")
     blocks = {}
     for name, size in (("block_v", block_v), ("grads_block_v", grads_block_v)):
         blocks[name] = min(size, V)

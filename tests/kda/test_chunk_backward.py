@@ -85,12 +85,15 @@ def test_matches_recurrent_autodiff_at_the_bound() -> None:
 
 
 def test_bf16_inputs_stay_close() -> None:
-    """bf16 q/k/v/g/beta take bf16 matmuls: gradients within bf16 rounding of the fp32 ones."""
+    """bf16 q/k/v/g/beta/do take bf16 matmuls (the pairwise gradient products TF32; exact fp32 on
+    CPU): gradients within bf16 rounding of the fp32 ones of the same (bf16-valued) inputs,
+    measured 2e-3 - 3.3e-3 at T=130."""
     x = make_case(130, seed=5)
+    low = ("q", "k", "v", "g", "beta", "do")
+    x = {n: (a.astype(jnp.bfloat16).astype(jnp.float32) if n in low else a) for n, a in x.items()}
     want = analytic_grads(x, True)
-    xb = {n: (a.astype(jnp.bfloat16) if n in ("q", "k", "v", "g", "beta", "do") else a)
-          for n, a in x.items()}
-    got = analytic_grads(xb, True)
+    got = analytic_grads({n: (a.astype(jnp.bfloat16) if n in low else a) for n, a in x.items()},
+                         True)
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == (jnp.float32 if name == "initial_state" else jnp.bfloat16), name
-        assert rel(a, b) <= 3e-2, name
+        assert rel(a, b) <= 1e-2, name

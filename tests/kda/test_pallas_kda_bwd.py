@@ -29,7 +29,8 @@ def _args(x, with_state: bool) -> tuple:
 
 @pytest.mark.parametrize(("T", "with_state", "grads"),
                          [(1, True, "fused"), (65, True, "fused"), (150, False, "fused"),
-                          (150, True, "fused"), (150, True, "split")])
+                          (150, True, "fused"), (150, True, "split"), (65, True, "blocked"),
+                          (150, False, "blocked")])
 def test_matches_pure_jax_backward(T: int, with_state: bool, grads: str) -> None:
     args = _args(make_case(T, seed=T), with_state)
     want = chunk_kda_bwd(*args, scale=K**-0.5)
@@ -40,16 +41,19 @@ def test_matches_pure_jax_backward(T: int, with_state: bool, grads: str) -> None
         assert rel(a, b) <= 2e-5, name
 
 
-def test_bf16_matches_pure_jax_backward() -> None:
-    """bf16 inputs: bf16 intermediates in HBM (kernels) vs fp32 ones (pure JAX), same matmuls."""
+@pytest.mark.parametrize("grads", ["fused", "blocked"])
+def test_bf16_matches_pure_jax_backward(grads: str) -> None:
+    """bf16 inputs: bf16 intermediates in HBM (kernels) vs fp32 ones (pure JAX), same matmuls;
+    measured <= 3e-3."""
     x = make_case(130, seed=3)
     args = tuple(a.astype(jnp.bfloat16) if i in (0, 1, 2, 3, 4, 6) else a
                  for i, a in enumerate(_args(x, True)))
     want = chunk_kda_bwd(*args, scale=K**-0.5)
-    got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, interpret=True, block_v=8, grads_block_v=8)
+    got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, interpret=True, block_v=8, grads_block_v=8,
+                               grads=grads)
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == b.dtype, name
-        assert rel(a, b) <= 3e-2, name
+        assert rel(a, b) <= 1e-2, name
 
 
 def test_validates_block_v() -> None:

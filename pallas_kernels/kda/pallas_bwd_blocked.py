@@ -1,0 +1,88 @@
+"""Key-side KDA chunk gradients in 16-row sub-chunk blocks (the ``grads="blocked"`` kernel).
+
+Same result as ``chunk_math.key_grads`` (dq, dk, dg, dbeta of one chunk from the V sums), but the
+pairwise terms through ``L`` and ``Aqk`` are taken block by block: for every sub-chunk pair
+``J <= I`` the ``[16, 16]`` blocks ``dL[I, J] = -(A^T dW)_I W_J^T - dLU[I, J]`` and ``dAqk[I, J]``
+(loaded from HBM, where the V-sum kernel left them), each with the decay factors of row block I's
+midpoint. That is ~1.7M multiply-adds per chunk instead of the ~8.4M of the whole-chunk masked
+products, since Pallas-Triton can only take sub-blocks of memory refs, not of register values.
+
+Row blocks go from last to first: block I's row-side terms are complete after its own pairs, and
+its column-side terms (from pairs ``I' >= I``) too, so each block is finished and stored at once;
+the reverse cumsum of ``dG`` over the chunk is then a carried column sum.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.chunk_math import BC, C, CLAMP, MID, NC, dot, pair_dtype, row
+
+_F32 = jnp.float32
+
+
+def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dqg_ref, dw_ref, dkd_ref,
+                       daqk_ref, dlu_ref, dgl_ref, dbv_ref, dq_ref, dk_ref, dg_ref, db_ref, *,
+                       scale, mm_dtype):
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    t0 = c * C
+    rs = lambda i: pl.ds(t0 + i * BC, BC)  # noqa: E731
+    ld = lambda ref, i: ref[b, rs(i), h, :].astype(_F32)  # noqa: E731
+    ri = lax.broadcasted_iota(jnp.int32, (BC, BC), 0)
+    ci = lax.broadcasted_iota(jnp.int32, (BC, BC), 1)
+
+    Gs, carry = [], None
+    for i in range(NC):
+        G = jnp.cumsum(ld(g_ref, i), axis=0)
+        G = G if carry is None else G + carry
+        carry = row(G, BC - 1)
+        Gs.append(G)
+    G_last = carry
+    mids = [row(G, MID) for G in Gs]
+    dG_last = dgl_ref[b, c, h, :][None, :] * jnp.exp(G_last)
+    for i in range(NC):
+        dG_last = dG_last + jnp.sum(ld(dkd_ref, i) * ld(k_ref, i) * jnp.exp(G_last - Gs[i]),
+                                    axis=0)[None, :]
+
+    dW = dw_ref[b, pl.ds(t0, C), h, :]
+    pm = pair_dtype(mm_dtype)
+    cols = [None] * NC  # column-side sums of each block, complete once its row block is done
+    suffix = jnp.zeros_like(G_last)
+    for i in reversed(range(NC)):
+        k, G = ld(k_ref, i), Gs[i]
+        qs = ld(q_ref, i) * scale
+        beta = b_ref[b, rs(i), h].astype(_F32)[:, None]
+        rf = jnp.exp(G - mids[i])
+        bkr, qsr = beta * k * rf, qs * rf
+        yw = dot(a_ref[b, pl.ds(t0, C), h, pl.ds(i * BC, BC)], dW, mm_dtype, trans_a=True)
+        rk = rq = None
+        for j in range(i + 1):
+            cf = jnp.exp(jnp.minimum(mids[i] - Gs[j], CLAMP))
+            kc = ld(k_ref, j) * cf
+            dl = -dot(yw, w_ref[b, rs(j), h, :], mm_dtype, trans_b=True) - dlu_ref[
+                b, rs(i), h, pl.ds(j * BC, BC)]
+            da = daqk_ref[b, rs(i), h, pl.ds(j * BC, BC)]
+            if i == j:
+                dl = jnp.where(ri > ci, dl, 0.0)
+                da = jnp.where(ri >= ci, da, 0.0)
+            prk, prq = dot(dl, kc, pm), dot(da, kc, pm)
+            rk, rq = (prk, prq) if rk is None else (rk + prk, rq + prq)
+            pc = cf * (dot(dl, bkr, pm, trans_a=True) + dot(da, qsr, pm, trans_a=True))
+            cols[j] = pc if cols[j] is None else cols[j] + pc
+        rk, rq = rf * rk, rf * rq
+
+        eg, ed = jnp.exp(G), jnp.exp(G_last - G)
+        dkd = ld(dkd_ref, i)
+        dqs = ld(dqg_ref, i) * eg + rq
+        dk = beta * rk + cols[i] + beta * yw * eg + dkd * ed
+        dG = qs * dqs + beta * k * rk - k * cols[i] + beta * yw * k * eg - dkd * k * ed
+        dbeta = dbv_ref[b, rs(i), h] + jnp.sum(yw * k * eg, axis=1) + jnp.sum(k * rk, axis=1)
+        col_sum = jnp.sum(dG, axis=0)[None, :]
+        dg = col_sum - jnp.cumsum(dG, axis=0) + dG + suffix + dG_last
+        suffix = suffix + col_sum
+        dq_ref[b, rs(i), h, :] = (dqs * scale).astype(dq_ref.dtype)
+        dk_ref[b, rs(i), h, :] = dk.astype(dk_ref.dtype)
+        dg_ref[b, rs(i), h, :] = dg.astype(dg_ref.dtype)
+        db_ref[b, rs(i), h] = dbeta.astype(db_ref.dtype)
