@@ -235,7 +235,13 @@ def run_jax():
         )
 
     # ---- timing: ours fwd+bwd (the chunk_kda "pallas" path), fwd alone, bwd alone ------------
-    def essentials(B, T, H):
+    def ref_path(q, k, v, g, beta, h0, do, dht):  # the old path: Pallas fwd + reference VJP
+        o, s = pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0)
+        _, vjp = jax.vjp(lambda *a: chunked_kda(*a[:5], scale=scale, initial_state=a[5]),
+                         q, k, v, g, beta, h0)
+        return o, s, vjp((do, dht))
+
+    def essentials(B, T, H, variants, with_ref):
         args = inputs(B, T, H)
         r = res[f"B{B}_T{T}_H{H}"] = {}
         attempt(r, "ours_fwd_bwd_ms", lambda: bench(api_vjp("pallas"), args))
@@ -244,26 +250,18 @@ def run_jax():
             lambda *a: pallas_chunk_kda(*a[:5], scale=scale, initial_state=a[5])), args[:6]))
         attempt(r, "ours_bwd_ms", lambda: bench(
             jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale)), args))
-        for grads, nw in (("blocked", 4), ("blocked", 8), ("fused", 8), ("split", 4)):
+        for grads, nw in variants:
             attempt(r, f"ours_bwd_{grads}_w{nw}_ms", lambda grads=grads, nw=nw: bench(
                 jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale, grads=grads,
                                                            num_warps=nw)), args), budget=150)
+            save(res, out)
+        if with_ref:
+            attempt(r, "reference_vjp_path_fwd_bwd_ms",
+                    lambda: bench(jax.jit(ref_path), args, n_rep=2, n_inner=2), budget=150)
         save(res, out)
 
-    for shape in SHAPES:
-        essentials(*shape)
-
-    # ---- the old path (Pallas forward + VJP of the XLA reference), big shape ------------------
-    def ref_path(q, k, v, g, beta, h0, do, dht):
-        o, s = pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0)
-        _, vjp = jax.vjp(lambda *a: chunked_kda(*a[:5], scale=scale, initial_state=a[5]),
-                         q, k, v, g, beta, h0)
-        return o, s, vjp((do, dht))
-
-    B, T, H = SHAPES[0]
-    attempt(res[f"B{B}_T{T}_H{H}"], "reference_vjp_path_fwd_bwd_ms",
-            lambda: bench(jax.jit(ref_path), inputs(B, T, H), n_rep=2, n_inner=2), budget=150)
-    save(res, out)
+    essentials(*SHAPES[0], (("blocked", 4), ("blocked", 8), ("fused", 8), ("split", 4)), True)
+    essentials(*SHAPES[1], (("blocked", 4),), False)
 
     # ---- where the backward's time goes: per stage, a few configs ---------------------------
     tun = lambda nw, ns: dict(interpret=False, num_warps=nw, num_stages=ns)  # noqa: E731
