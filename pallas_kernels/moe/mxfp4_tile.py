@@ -26,19 +26,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moe.mxfp4_order import bytes_in_fragment_order
+
 BLOCK = 32  # inputs per E8M0 scale byte
 
 
-def decode_tile(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
-    """uint8 packed [R, C/2] (two codes per byte) and scale [R, C/32] -> dtype [R, C]."""
+def decode_tile(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16, fragment: bool = False) -> jax.Array:
+    """uint8 packed [R, C/2] (two codes per byte) and scale [R, C/32] -> dtype [R, C].
+
+    fragment: the C columns come out in fragment order (mxfp4_order.py; C is one k step)."""
     rows, half = packed.shape
     cols = 2 * half
     if scale.shape != (rows, cols // BLOCK):
         raise ValueError(f"MXFP4 tile: packed {packed.shape} needs scale ({rows}, {cols // BLOCK}), got {scale.shape}")
+    base = (jnp.clip(scale.astype(jnp.int32), 1, 252) - 1) << 7  # bf16 bits of 0.5 * 2^(s - 127)
+    base = jnp.broadcast_to(base[:, :, None], (rows, cols // BLOCK, BLOCK // 2)).reshape(rows, half)  # per byte
+    if fragment:
+        packed, base = bytes_in_fragment_order(packed), bytes_in_fragment_order(base)
     # even column in the low nibble: join(lo, hi) along a new last axis, then merge it into the columns
     codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(rows, cols).astype(jnp.int32)
-    base = (jnp.clip(scale.astype(jnp.int32), 1, 252) - 1) << 7  # bf16 bits of 0.5 * 2^(s - 127)
-    base = jnp.broadcast_to(base[:, :, None], (rows, cols // BLOCK, BLOCK)).reshape(rows, cols)
+    base = jnp.stack([base, base], axis=-1).reshape(rows, cols)
     c3 = codes & 7
     magnitude = jnp.where(c3 >= 2, (c3 << 6) + base, c3 * base)
     bits = (magnitude | ((codes & 8) << 12)).astype(jnp.uint16)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.moe.mxfp4_order import bytes_in_fragment_order
 from pallas_kernels.moe.mxfp4_tile import BLOCK
 
 
@@ -51,14 +52,18 @@ _LOW_NIBBLES = _asm(code_shift=6, sign_shift=12)
 _HIGH_NIBBLES = _asm(code_shift=2, sign_shift=8)
 
 
-def decode_tile_ptx(packed: jax.Array, scale: jax.Array) -> jax.Array:
-    """uint8 packed [R, C/2] and scale [R, C/32] -> bf16 [R, C], inside a Pallas-Triton kernel on GPU."""
+def decode_tile_ptx(packed: jax.Array, scale: jax.Array, fragment: bool = False) -> jax.Array:
+    """uint8 packed [R, C/2] and scale [R, C/32] -> bf16 [R, C], inside a Pallas-Triton kernel on GPU.
+
+    fragment: the C columns come out in fragment order (mxfp4_order.py; C is one k step)."""
     rows, half = packed.shape
     if scale.shape != (rows, 2 * half // BLOCK):
         raise ValueError(f"MXFP4 tile: packed {packed.shape} needs scale ({rows}, {2 * half // BLOCK}), "
                          f"got {scale.shape}")
     factor = jax.lax.bitcast_convert_type(scale.astype(jnp.uint16) << 7, jnp.bfloat16)  # 2^(s - 127)
     per_byte = jnp.broadcast_to(factor[:, :, None], (rows, half * 2 // BLOCK, BLOCK // 2)).reshape(rows, half)
+    if fragment:
+        packed, per_byte = bytes_in_fragment_order(packed), bytes_in_fragment_order(per_byte)
     out = jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)
     low, high = (
         pltr.elementwise_inline_asm(asm, args=[packed, per_byte], constraints="=r,=r,r,r,r", pack=4,

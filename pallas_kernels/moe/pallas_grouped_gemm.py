@@ -189,18 +189,21 @@ def _situ_f32(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None
     return gate * up
 
 
-def _weight_tile(w_refs, grp, n0, k0, bn: int, bk: int, dtype, ptx: bool) -> jax.Array:
-    """The [bn, bk] weight tile of expert grp at (n0, k0): a plain load, or packed codes + scales decoded."""
+def _weight_tile(w_refs, grp, n0, k0, bn: int, bk: int, dtype, ptx: bool, fragment: bool) -> jax.Array:
+    """The [bn, bk] weight tile of expert grp at (n0, k0): a plain load, or packed codes + scales decoded
+    (in fragment order when x's columns are)."""
     if len(w_refs) == 1:
         return w_refs[0][grp, pl.ds(n0, bn), pl.ds(k0, bk)]
     packed_ref, scale_ref = w_refs
     packed = packed_ref[grp, pl.ds(n0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)]
     scale = scale_ref[grp, pl.ds(n0, bn), pl.ds(pl.multiple_of(k0 // BLOCK, bk // BLOCK), bk // BLOCK)]
-    return decode_tile_ptx(packed, scale).astype(dtype) if ptx else decode_tile(packed, scale, dtype)
+    if ptx:
+        return decode_tile_ptx(packed, scale, fragment).astype(dtype)
+    return decode_tile(packed, scale, dtype, fragment)
 
 
 def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused: bool, mxfp4: bool, beta,
-            linear_beta, approx: bool, ptx: bool):
+            linear_beta, approx: bool, ptx: bool, fragment: bool):
     per_weight = 2 if mxfp4 else 1  # refs: (packed, scale) per MXFP4 weight, else one array
     w1_refs = refs[:per_weight]
     w3_refs = refs[per_weight:2 * per_weight] if fused else None
@@ -233,9 +236,9 @@ def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused
         def body(k, accs):
             k0 = pl.multiple_of(k * bk, bk)
             xt = x_ref[pl.ds(load_start, height), pl.ds(k0, bk)]
-            new = [accs[0] + mma(xt, _weight_tile(w1_refs, grp, n0, k0, bn, bk, xt.dtype, ptx))]
+            new = [accs[0] + mma(xt, _weight_tile(w1_refs, grp, n0, k0, bn, bk, xt.dtype, ptx, fragment))]
             if fused:
-                new.append(accs[1] + mma(xt, _weight_tile(w3_refs, grp, n0, k0, bn, bk, xt.dtype, ptx)))
+                new.append(accs[1] + mma(xt, _weight_tile(w3_refs, grp, n0, k0, bn, bk, xt.dtype, ptx, fragment)))
             return tuple(new)
 
         zeros = jnp.zeros((bn, height) if cfg.weights_lhs else (height, bn), F32)
@@ -278,8 +281,10 @@ def _check(x, ws, group_sizes, cfg: TileConfig) -> bool:
 
 
 def _grouped_call(x, ws, group_sizes, *, cfg: TileConfig, fused: bool, beta, linear_beta, out_dtype,
-                  interpret: bool, approx: bool = False):
+                  interpret: bool, approx: bool = False, fragment: bool = False):
     mxfp4 = _check(x, ws, group_sizes, cfg)
+    if fragment and not mxfp4:
+        raise ValueError("x_fragment_order=True is for MXFP4 weights (mxfp4_order.py); these are dense")
     m0, _ = x.shape
     n = ws[0].shape[1]
     if m0 < cfg.block_m:  # tiny inputs: pad rows so a full row tile is always in bounds
@@ -289,7 +294,7 @@ def _grouped_call(x, ws, group_sizes, *, cfg: TileConfig, fused: bool, beta, lin
     meta = _schedule(group_sizes, m, cfg.block_m, num_n_blocks)
     kernel = functools.partial(_kernel, num_rows=m, num_groups=group_sizes.shape[0], cfg=cfg, fused=fused,
                                mxfp4=mxfp4, beta=beta, linear_beta=linear_beta, approx=approx and not interpret,
-                               ptx=cfg.ptx_decode and not interpret)
+                               ptx=cfg.ptx_decode and not interpret, fragment=fragment)
     operands = [a for w in ws for a in ((w.packed, w.scale) if mxfp4 else (w,))]
     name = "k3_moe_gate_up_situ" if fused else "k3_moe_grouped_matmul"
     out = pl.pallas_call(
@@ -303,11 +308,12 @@ def _grouped_call(x, ws, group_sizes, *, cfg: TileConfig, fused: bool, beta, lin
     return out[:m0]
 
 
-@functools.partial(jax.jit, static_argnames=("beta", "linear_beta", "cfg", "out_dtype", "interpret", "approx_situ"))
+@functools.partial(jax.jit, static_argnames=("beta", "linear_beta", "cfg", "out_dtype", "interpret", "approx_situ",
+                                             "x_fragment_order"))
 def grouped_gate_up_situ(
     x: jax.Array, w1: Weight, w3: Weight, group_sizes: jax.Array, *, beta: float = 4.0,
     linear_beta: float | None = 25.0, cfg: TileConfig | None = None, out_dtype=None, interpret: bool = False,
-    approx_situ: bool = True,
+    approx_situ: bool = True, x_fragment_order: bool = False,
 ) -> jax.Array:
     """SiTU(x @ w1_e^T, x @ w3_e^T) for rows grouped by expert. x [M, K]; w1, w3 [E, F, K] -> [M, F].
 
@@ -315,23 +321,26 @@ def grouped_gate_up_situ(
     tanh.approx.f32 (GPU only; interpret mode always runs the exact tanh). On the H200 it is ~6% faster at
     K3 shapes with the same error against an fp32 reference (1.66e-3, dominated by the bf16 output); pass
     False for libdevice tanh. (Stages 3 vs 4 differ by less than run-to-run noise, about 3%.)
+    x_fragment_order: x's columns are x[:, mxfp4_order.fragment_order(K, cfg.block_k)] (MXFP4 weights only);
+    the weight tiles are then decoded in that order, sparing the byte-by-byte gather of the packed codes.
     """
     cfg = cfg or gate_up_config(x.shape[0], w1.shape[0], isinstance(w1, MXFP4Experts))
     return _grouped_call(x, (w1, w3), group_sizes, cfg=cfg, fused=True, beta=beta, linear_beta=linear_beta,
-                         out_dtype=out_dtype or x.dtype, interpret=interpret, approx=approx_situ)
+                         out_dtype=out_dtype or x.dtype, interpret=interpret, approx=approx_situ,
+                         fragment=x_fragment_order)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "x_fragment_order"))
 def grouped_matmul(
     x: jax.Array, w: Weight, group_sizes: jax.Array, *, cfg: TileConfig | None = None, out_dtype=None,
-    interpret: bool = False,
+    interpret: bool = False, x_fragment_order: bool = False,
 ) -> jax.Array:
     """x @ w_e^T for rows grouped by expert (fp32 accumulation). x [M, K]; w [E, N, K] -> [M, N].
 
-    cfg: None picks `down_config(M, E, packed)`."""
+    cfg: None picks `down_config(M, E, packed)`. x_fragment_order: as in `grouped_gate_up_situ`."""
     cfg = cfg or down_config(x.shape[0], w.shape[0], isinstance(w, MXFP4Experts))
     return _grouped_call(x, (w,), group_sizes, cfg=cfg, fused=False, beta=None, linear_beta=None,
-                         out_dtype=out_dtype or x.dtype, interpret=interpret)
+                         out_dtype=out_dtype or x.dtype, interpret=interpret, fragment=x_fragment_order)
 
 
 # ---- transposed grouped GEMM (weight gradients): contraction over each group's rows ---------------------

@@ -283,3 +283,39 @@ def test_routed_path_with_default_configs_lowers_for_cuda(monkeypatch: pytest.Mo
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2  # gate+up and down
     assert "28x3072x3584xbf16" not in text and "28x3584x3072xbf16" not in text  # no decoded weight copy
+
+
+# ---- fragment order: x's columns permuted so each GPU thread reads its packed bytes contiguously ----------
+
+
+def test_fragment_order_is_a_permutation_matching_the_decode() -> None:
+    from pallas_kernels.moe.mxfp4_order import fragment_order
+
+    for k, bk in ((64, 64), (192, 64), (128, 128), (96, 32)):
+        perm = fragment_order(k, bk)
+        assert sorted(perm.tolist()) == list(range(k))
+    _, w1, _ = operands(n=64, k=128)
+    tile = (w1.packed[1][:, :32], w1.scale[1][:, :2])  # one k step of 64 columns
+    got = decode_tile(*tile, F32, fragment=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(decode_tile(*tile, F32))[:, fragment_order(64, 64)])
+    with pytest.raises(ValueError, match="block_k=48"):
+        fragment_order(96, 48)
+
+
+@pytest.mark.parametrize("name", ["uneven", "tail_rows_zero"])
+def test_fragment_order_kernels_match_natural_order(name: str) -> None:
+    """Same products in another K order: kernels on x[:, fragment_order] equal the natural-order ones."""
+    from pallas_kernels.moe.mxfp4_order import fragment_order
+
+    x, w1, w3 = operands(n=64, k=128)
+    gs = jnp.asarray(GROUPS[name], jnp.int32)
+    cfg = pg.TileConfig(block_m=32, block_n=32, block_k=64, num_warps=4, num_stages=2, weights_lhs=True)
+    x_frag = x[:, fragment_order(128, 64)]
+    d1, d3 = w1.decode(jnp.bfloat16), w3.decode(jnp.bfloat16)
+    gate_up = pg.grouped_gate_up_situ(x_frag, w1, w3, gs, cfg=cfg, out_dtype=F32, interpret=True,
+                                      x_fragment_order=True)
+    assert rel(gate_up, situ(ragged_f32(x, d1, gs), ragged_f32(x, d3, gs), 4.0, 25.0)) <= 1e-5
+    plain = pg.grouped_matmul(x_frag, w1, gs, cfg=cfg, out_dtype=F32, interpret=True, x_fragment_order=True)
+    assert rel(plain, ragged_f32(x, d1, gs)) <= 1e-5
+    with pytest.raises(ValueError, match="x_fragment_order"):
+        pg.grouped_matmul(x_frag, d1, gs, cfg=cfg, interpret=True, x_fragment_order=True)
