@@ -1,20 +1,19 @@
 """Analytic backward of the safe-gate chunked KDA as Pallas kernels (Triton lowering on GPU).
 
-The same three passes as ``chunk_backward.py`` (whose per-chunk algebra, ``chunk_math.py``, the
-gradient kernel calls on whole 64-token tiles), as five ``pl.pallas_call``s:
+The same three passes as ``chunk_backward.py``, as ``pl.pallas_call``s (this file: the wrappers and
+the entry point; kernel bodies in ``pallas_bwd_states.py``, ``pallas_bwd_grads.py``,
+``pallas_bwd_blocked.py``):
 
 1. ``stage_parts``, grid ``(B, H, N)``, parallel: recompute the chunk's A = (I + L)^{-1}, W, U,
    Aqk, Qg, Kd and decay gl from q, k, v, g, beta with the forward's own intra kernels.
-2. ``_states_kernel``, grid ``(B, H, V / BV)``: the forward state recurrence again with the fp32
-   state ``[K, BV]`` on chip, storing every chunk's input state ``h``.
-3. ``_dstates_kernel``, grid ``(B, H, V / BV)``: the reverse recurrence with ``dS`` on chip:
-   ``dv_new = Aqk^T dO + Kd dS``, store ``dh = dS``, then
-   ``dS <- gl * dS + Qg^T dO - W^T dv_new``; its last value is the initial state's gradient.
-   V columns are independent in both recurrences, which is what allows the V split.
-4. ``_grads_kernel``, grid ``(B, H, N)``, parallel: dq, dk, dv, dg, dbeta of the chunk; or with
-   ``grads="split"`` ``_value_kernel`` (dv and the V-contracting sums, fp32 to HBM) then
-   ``_key_kernel`` (the rest), two smaller live sets for one more HBM round trip; ``"blocked"``
-   takes the key side in 16-row blocks (``pallas_bwd_blocked.py``), ~5x fewer multiply-adds.
+2. ``stage_states`` / ``stage_dstates``, grid ``(S, H, V / BV)``: the forward state recurrence
+   again (storing every chunk's input state ``h``), then the reverse one for ``dh`` and
+   ``dv_new``, with the state on chip; the reverse one's last value is the initial state's
+   gradient.
+3. ``stage_grads``, grid ``(B, H, N)``, parallel: dq, dk, dv, dg, dbeta of every chunk, in one
+   kernel (``grads="fused"``) or two (the V-contracting sums through HBM, then the key side as
+   whole-chunk products, ``"split"``, or in 16-row blocks with ~5x fewer multiply-adds,
+   ``"blocked"``).
 
 Packed sequences (``cu_seqlens``) run on the forward's chunk-aligned layout
 (``varlen_layout.py``); the two recurrences then loop over one sequence's chunk range per program,
@@ -32,11 +31,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_math import C, dot, key_grads, value_terms
+from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.pallas_bwd_blocked import key_kernel_blocked
+from pallas_kernels.kda.pallas_bwd_grads import grads_kernel, key_kernel, value_kernel
+from pallas_kernels.kda.pallas_bwd_states import dstates_kernel, states_kernel
 from pallas_kernels.kda.pallas_kda import _intra_solve_kernel, _intra_wu_kernel
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
@@ -47,140 +47,6 @@ except ImportError:  # pragma: no cover
     pl_triton = None
 
 _F32 = jnp.float32
-
-
-def _sequence(refs: tuple, n_chunks: int, varlen: bool):
-    """Program (s, h, iv) runs the chunks of sequence s: batch row s, chunks [0, n_chunks); or with
-    ``varlen`` the packed row 0, chunks [cu[s], cu[s + 1]) read from the leading int32 ref."""
-    s = pl.program_id(0)
-    if varlen:
-        cu_ref, *refs = refs
-        return refs, s, 0, cu_ref[s], cu_ref[s + 1]
-    return refs, s, s, 0, n_chunks
-
-
-def _states_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
-    refs, s, b, c0, c1 = _sequence(refs, n_chunks, varlen)
-    w_ref, u_ref, kd_ref, gl_ref, h0_ref, hs_ref = refs
-    h, iv = pl.program_id(1), pl.program_id(2)
-    vs = pl.ds(iv * bv, bv)
-
-    def body(c, S):
-        ts = pl.ds(c * C, C)
-        hs_ref[b, c, h, :, vs] = S.astype(hs_ref.dtype)
-        v_new = u_ref[b, ts, h, vs].astype(_F32) - dot(w_ref[b, ts, h, :], S, mm_dtype)
-        gl = gl_ref[b, c, h, :]
-        return gl[:, None] * S + dot(kd_ref[b, ts, h, :], v_new, mm_dtype, trans_a=True)
-
-    lax.fori_loop(c0, c1, body, h0_ref[s, h, :, vs])
-
-
-def _dstates_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
-    refs, s, b, c0, c1 = _sequence(refs, n_chunks, varlen)
-    qg_ref, w_ref, aqk_ref, kd_ref, gl_ref, do_ref, dht_ref, dhs_ref, dvn_ref, ds0_ref = refs
-    h, iv = pl.program_id(1), pl.program_id(2)
-    vs = pl.ds(iv * bv, bv)
-
-    def body(i, dS):
-        c = c0 + c1 - 1 - i  # chunks in reverse
-        ts = pl.ds(c * C, C)
-        do = do_ref[b, ts, h, vs]
-        dvn = dot(aqk_ref[b, ts, h, :], do, mm_dtype, trans_a=True) + dot(
-            kd_ref[b, ts, h, :], dS, mm_dtype)
-        dhs_ref[b, c, h, :, vs] = dS.astype(dhs_ref.dtype)
-        dvn_ref[b, ts, h, vs] = dvn.astype(dvn_ref.dtype)
-        gl = gl_ref[b, c, h, :]
-        return (gl[:, None] * dS + dot(qg_ref[b, ts, h, :], do, mm_dtype, trans_a=True)
-                - dot(w_ref[b, ts, h, :], dvn, mm_dtype, trans_a=True))
-
-    ds0_ref[s, h, :, vs] = lax.fori_loop(c0, c1, body, dht_ref[s, h, :, vs])
-
-
-_SUMS = ("dQg", "dW", "dKd", "dAqk", "dLU", "dgl", "dbeta")  # chunk_math.value_terms' sums
-
-
-def _value_sums(b, h, c, A, W, beta, u_ref, v_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref, *,
-                bv, mm_dtype) -> dict:
-    """The V-contracting terms, accumulated over V blocks of ``bv`` columns so that only
-    ``[K, bv]`` slices of the two states are live at a time; stores dv on the way."""
-    ts = pl.ds(c * C, C)
-    K, V = hs_ref.shape[-2:]
-
-    def body(iv, acc):
-        vs = pl.ds(iv * bv, bv)
-        ld = lambda ref: ref[b, ts, h, vs].astype(_F32)  # noqa: E731
-        sums, dv = value_terms(A, W, ld(u_ref), ld(v_ref), hs_ref[b, c, h, :, vs].astype(_F32),
-                               dhs_ref[b, c, h, :, vs].astype(_F32), ld(do_ref), ld(dvn_ref), beta,
-                               mm_dtype)
-        dv_ref[b, ts, h, vs] = dv.astype(dv_ref.dtype)
-        return {n: acc[n] + sums[n] for n in acc}
-
-    z = lambda *s: jnp.zeros(s, _F32)  # noqa: E731
-    init = dict(dQg=z(C, K), dW=z(C, K), dKd=z(C, K), dAqk=z(C, C), dLU=z(C, C), dgl=z(1, K),
-                dbeta=z(C))
-    return lax.fori_loop(0, V // bv, body, init)
-
-
-def _store_key_grads(b, h, c, A, W, beta, sums, q_ref, k_ref, g_ref, dq_ref, dk_ref, dg_ref,
-                     db_ref, *, scale, mm_dtype) -> None:
-    ts = pl.ds(c * C, C)
-    dqs, dk, dg, dbeta = key_grads(q_ref[b, ts, h, :].astype(_F32) * scale,
-                                   k_ref[b, ts, h, :].astype(_F32), g_ref[b, ts, h, :].astype(_F32),
-                                   beta, A, W, sums, mm_dtype)
-    dq_ref[b, ts, h, :] = (dqs * scale).astype(dq_ref.dtype)
-    dk_ref[b, ts, h, :] = dk.astype(dk_ref.dtype)
-    dg_ref[b, ts, h, :] = dg.astype(dg_ref.dtype)
-    db_ref[b, ts, h] = dbeta.astype(db_ref.dtype)
-
-
-def _chunk_inputs(a_ref, w_ref, b_ref):
-    """Program ids, then A and W (matmul operands only: kept in the stored dtype) and beta."""
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    ts = pl.ds(c * C, C)
-    return b, h, c, a_ref[b, ts, h, :], w_ref[b, ts, h, :], b_ref[b, ts, h].astype(_F32)
-
-
-def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref,
-                  dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, scale, mm_dtype, bv):
-    """One chunk's gradients in one kernel (``grads="fused"``)."""
-    b, h, c, A, W, beta = _chunk_inputs(a_ref, w_ref, b_ref)
-    sums = _value_sums(b, h, c, A, W, beta, u_ref, v_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
-                       bv=bv, mm_dtype=mm_dtype)
-    _store_key_grads(b, h, c, A, W, beta, sums, q_ref, k_ref, g_ref, dq_ref, dk_ref, dg_ref,
-                     db_ref, scale=scale, mm_dtype=mm_dtype)
-
-
-def _value_kernel(v_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
-                  *sum_refs, mm_dtype, bv):
-    """First half of ``grads="split"`` / ``"blocked"``: dv and the V sums (fp32, to HBM)."""
-    b, h, c, A, W, beta = _chunk_inputs(a_ref, w_ref, b_ref)
-    sums = _value_sums(b, h, c, A, W, beta, u_ref, v_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
-                       bv=bv, mm_dtype=mm_dtype)
-    ts = pl.ds(c * C, C)
-    for name, ref in zip(_SUMS, sum_refs):
-        if name == "dgl":
-            ref[b, c, h, :] = jnp.sum(sums[name], axis=0)
-        elif name == "dbeta":
-            ref[b, ts, h] = sums[name]
-        else:
-            ref[b, ts, h, :] = sums[name]
-
-
-def _key_kernel(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, *refs, scale, mm_dtype):
-    """Second half of ``grads="split"``: dq, dk, dg, dbeta from the stored V sums."""
-    *sum_refs, dq_ref, dk_ref, dg_ref, db_ref = refs
-    b, h, c, A, W, beta = _chunk_inputs(a_ref, w_ref, b_ref)
-    ts = pl.ds(c * C, C)
-    sums = {}
-    for name, ref in zip(_SUMS, sum_refs):
-        if name == "dgl":
-            sums[name] = ref[b, c, h, :][None, :]
-        elif name == "dbeta":
-            sums[name] = ref[b, ts, h]
-        else:
-            sums[name] = ref[b, ts, h, :]
-    _store_key_grads(b, h, c, A, W, beta, sums, q_ref, k_ref, g_ref, dq_ref, dk_ref, dg_ref,
-                     db_ref, scale=scale, mm_dtype=mm_dtype)
 
 
 def _params(interpret: bool, num_warps: int, num_stages: int) -> dict:
@@ -238,7 +104,7 @@ def stage_states(W, U, kd, gl, h0, chunk_offsets=None, *, block_v, interpret, nu
     mm_dtype, sd = _dtypes(U)
     varlen = chunk_offsets is not None
     return pl.pallas_call(
-        functools.partial(_states_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype,
+        functools.partial(states_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype,
                           varlen=varlen),
         grid=(h0.shape[0], H, V // block_v),
         out_shape=jax.ShapeDtypeStruct((B, n, H, K, V), sd),
@@ -256,7 +122,7 @@ def stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets=None, *, block_v, i
     sds = jax.ShapeDtypeStruct
     varlen = chunk_offsets is not None
     return pl.pallas_call(
-        functools.partial(_dstates_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype,
+        functools.partial(dstates_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype,
                           varlen=varlen),
         grid=(dht.shape[0], H, V // block_v),
         out_shape=(sds((B, n, H, K, V), sd), sds((B, Tp, H, V), sd), sds(dht.shape, _F32)),
@@ -282,7 +148,7 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, 
                sds(beta.shape, beta.dtype))
     if variant == "fused":
         dq, dk, dv, dg, db = pl.pallas_call(
-            functools.partial(_grads_kernel, scale=scale, mm_dtype=mm_dtype, bv=block_v),
+            functools.partial(grads_kernel, scale=scale, mm_dtype=mm_dtype, bv=block_v),
             grid=(B, H, n),
             out_shape=key_out[:2] + (sds(v.shape, v.dtype),) + key_out[2:],
             interpret=interpret, name="kda_bwd_grads", **params,
@@ -290,13 +156,13 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, 
         return dq, dk, dv, dg, db
     ck, cc = sds((B, Tp, H, K), _F32), sds((B, Tp, H, C), _F32)
     dv, *sums = pl.pallas_call(
-        functools.partial(_value_kernel, mm_dtype=mm_dtype, bv=block_v),
+        functools.partial(value_kernel, mm_dtype=mm_dtype, bv=block_v),
         grid=(B, H, n),
         out_shape=(sds(v.shape, v.dtype), ck, ck, ck, cc, cc, sds((B, n, H, K), _F32),
                    sds(beta.shape, _F32)),
         interpret=interpret, name="kda_bwd_grads_v", **params,
     )(v, beta, A, W, U, hs, dhs, do, dvn)
-    key = _key_kernel if variant == "split" else key_kernel_blocked
+    key = key_kernel if variant == "split" else key_kernel_blocked
     dq, dk, dg, db = pl.pallas_call(
         functools.partial(key, scale=scale, mm_dtype=mm_dtype),
         grid=(B, H, n),

@@ -1,0 +1,69 @@
+"""The two state recurrences of the KDA backward, as Pallas kernel bodies (Triton lowering).
+
+Grid ``(S, H, V / BV)``, one program per (sequence, head, V block), sequential over the chunks with
+the fp32 state ``[K, BV]`` on chip. V columns are independent in both recurrences, which is what
+allows the V split.
+
+``states_kernel``: the forward recurrence again, storing every chunk's input state ``h``:
+``v_new = U - W S``, ``S <- gl * S + Kd^T v_new``.
+``dstates_kernel``: the reverse recurrence, ``dv_new = Aqk^T dO + Kd dS``, store ``dh = dS`` (the
+gradient of the state leaving the chunk), then ``dS <- gl * dS + Qg^T dO - W^T dv_new``; its last
+value is the initial state's gradient.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.chunk_math import C, dot
+
+_F32 = jnp.float32
+
+
+def _sequence(refs: tuple, n_chunks: int, varlen: bool):
+    """Program (s, h, iv) runs the chunks of sequence s: batch row s, chunks [0, n_chunks); or with
+    ``varlen`` the packed row 0, chunks [cu[s], cu[s + 1]) read from the leading int32 ref."""
+    s = pl.program_id(0)
+    if varlen:
+        cu_ref, *refs = refs
+        return refs, s, 0, cu_ref[s], cu_ref[s + 1]
+    return refs, s, s, 0, n_chunks
+
+
+def states_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
+    refs, s, b, c0, c1 = _sequence(refs, n_chunks, varlen)
+    w_ref, u_ref, kd_ref, gl_ref, h0_ref, hs_ref = refs
+    h, iv = pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(iv * bv, bv)
+
+    def body(c, S):
+        ts = pl.ds(c * C, C)
+        hs_ref[b, c, h, :, vs] = S.astype(hs_ref.dtype)
+        v_new = u_ref[b, ts, h, vs].astype(_F32) - dot(w_ref[b, ts, h, :], S, mm_dtype)
+        gl = gl_ref[b, c, h, :]
+        return gl[:, None] * S + dot(kd_ref[b, ts, h, :], v_new, mm_dtype, trans_a=True)
+
+    lax.fori_loop(c0, c1, body, h0_ref[s, h, :, vs])
+
+
+def dstates_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
+    refs, s, b, c0, c1 = _sequence(refs, n_chunks, varlen)
+    qg_ref, w_ref, aqk_ref, kd_ref, gl_ref, do_ref, dht_ref, dhs_ref, dvn_ref, ds0_ref = refs
+    h, iv = pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(iv * bv, bv)
+
+    def body(i, dS):
+        c = c0 + c1 - 1 - i  # chunks in reverse
+        ts = pl.ds(c * C, C)
+        do = do_ref[b, ts, h, vs]
+        dvn = dot(aqk_ref[b, ts, h, :], do, mm_dtype, trans_a=True) + dot(
+            kd_ref[b, ts, h, :], dS, mm_dtype)
+        dhs_ref[b, c, h, :, vs] = dS.astype(dhs_ref.dtype)
+        dvn_ref[b, ts, h, vs] = dvn.astype(dvn_ref.dtype)
+        gl = gl_ref[b, c, h, :]
+        return (gl[:, None] * dS + dot(qg_ref[b, ts, h, :], do, mm_dtype, trans_a=True)
+                - dot(w_ref[b, ts, h, :], dvn, mm_dtype, trans_a=True))
+
+    ds0_ref[s, h, :, vs] = lax.fori_loop(c0, c1, body, dht_ref[s, h, :, vs])
