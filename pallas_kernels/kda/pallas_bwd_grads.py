@@ -74,7 +74,8 @@ def grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref,
 
 def value_kernel(v_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
                   *sum_refs, mm_dtype, bv):
-    """First half of ``grads="split"`` / ``"blocked"``: dv and the V sums (fp32, to HBM)."""
+    """First half of ``grads="split"`` / ``"blocked"``: dv and the V sums to HBM (fp32; dW, only
+    ever a matmul operand, in the operand dtype)."""
     b, h, c, A, W, beta = _chunk_inputs(a_ref, w_ref, b_ref)
     sums = _value_sums(b, h, c, A, W, beta, u_ref, v_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
                        bv=bv, mm_dtype=mm_dtype)
@@ -85,7 +86,7 @@ def value_kernel(v_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref, dvn
         elif name == "dbeta":
             ref[b, ts, h] = sums[name]
         else:
-            ref[b, ts, h, :] = sums[name]
+            ref[b, ts, h, :] = sums[name].astype(ref.dtype)
 
 
 def key_kernel(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, *refs, scale, mm_dtype):

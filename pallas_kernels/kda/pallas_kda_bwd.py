@@ -137,11 +137,11 @@ GRADS_VARIANTS = ("fused", "split", "blocked")
 def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, variant,
                 interpret, num_warps, num_stages):
     """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes. ``variant``: "fused" (one
-    kernel), "split" (V sums through HBM in fp32, then the whole-chunk key side) or "blocked"
+    kernel), "split" (V sums through HBM, fp32, then the whole-chunk key side) or "blocked"
     (V sums through HBM, then ``pallas_bwd_blocked``'s sub-chunk-blocked key side)."""
     B, Tp, H, K = q.shape
     n = Tp // C
-    mm_dtype, _ = _dtypes(v)
+    mm_dtype, sd = _dtypes(v)
     sds = jax.ShapeDtypeStruct
     params = _params(interpret, num_warps, num_stages)
     key_out = (sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype),
@@ -155,10 +155,11 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, 
         )(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn)
         return dq, dk, dv, dg, db
     ck, cc = sds((B, Tp, H, K), _F32), sds((B, Tp, H, C), _F32)
+    dw = sds((B, Tp, H, K), sd)  # only ever a matmul operand of mm_dtype: stored like one
     dv, *sums = pl.pallas_call(
         functools.partial(value_kernel, mm_dtype=mm_dtype, bv=block_v),
         grid=(B, H, n),
-        out_shape=(sds(v.shape, v.dtype), ck, ck, ck, cc, cc, sds((B, n, H, K), _F32),
+        out_shape=(sds(v.shape, v.dtype), ck, dw, ck, cc, cc, sds((B, n, H, K), _F32),
                    sds(beta.shape, _F32)),
         interpret=interpret, name="kda_bwd_grads_v", **params,
     )(v, beta, A, W, U, hs, dhs, do, dvn)
