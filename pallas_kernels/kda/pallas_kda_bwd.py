@@ -186,6 +186,16 @@ def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_
     return (*out, ds0)
 
 
+FEW_SEQUENCE_HEADS = 128  # as the forward's tile choice (pallas_kda.default_tiles)
+
+
+def default_block_v(sequence_heads: int) -> int:
+    """V block of the state recurrences: one program per (sequence, head, V block) walks all
+    chunks, so with few sequence-heads (B1 H16: 32 programs at 64 for 132 SMs) narrower blocks
+    buy parallelism, as measured for the forward's recurrence; not yet measured for these."""
+    return 32 if sequence_heads < FEW_SEQUENCE_HEADS else 64
+
+
 def pallas_chunk_kda_bwd(
     q: jax.Array,
     k: jax.Array,
@@ -199,8 +209,8 @@ def pallas_chunk_kda_bwd(
     scale: float,
     cu_seqlens: object | None = None,
     interpret: bool | None = None,
-    block_v: int = 64,
-    grads_block_v: int = 32,
+    block_v: int | None = None,
+    grads_block_v: int | None = None,
     grads: str = "fused",
     num_warps: int = 4,
     num_stages: int = 1,
@@ -211,8 +221,9 @@ def pallas_chunk_kda_bwd(
     [B, H, K, V] (with ``cu_seqlens``, host offsets [N + 1] of packed sequences and B == 1:
     [N, H, K, V]). Returns ``(dq, dk, dv, dg, dbeta, d initial_state)`` in the inputs' dtypes
     (the state gradient fp32). ``interpret`` defaults to True off GPU. ``block_v``: V columns per
-    program of the two state recurrences; ``grads_block_v``: V columns per step of the gradient
-    kernel's loop (its live set); ``grads`` picks the gradient pass's kernels (see ``stage_grads``).
+    program of the two state recurrences (default ``default_block_v``); ``grads_block_v``: V
+    columns per step of the gradient kernel's loop (its live set; default 32); ``grads`` picks
+    the gradient pass's kernels (see ``stage_grads``).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -225,17 +236,21 @@ def pallas_chunk_kda_bwd(
                 f"pallas KDA backward on GPU needs K and V powers of two >= 16 (Triton), got {bad}")
     if grads not in GRADS_VARIANTS:
         raise ValueError(f"grads: expected one of {GRADS_VARIANTS}, got {grads!r}")
-    blocks = {}
-    for name, size in (("block_v", block_v), ("grads_block_v", grads_block_v)):
-        blocks[name] = min(size, V)
-        if V % blocks[name]:
-            raise ValueError(f"{name}: V={V} is not a multiple of {name}={blocks[name]}")
     n_states = B
     if cu_seqlens is not None:  # packed sequences: run on the chunk-aligned layout
         if B != 1:
             raise ValueError(f"cu_seqlens: packed sequences need B == 1, got q shape {q.shape}")
         layout = chunk_layout(host_offsets(cu_seqlens, T), C)
         n_states = layout.chunk_offsets.size - 1
+    blocks = {}
+    for name, size, default in (("block_v", block_v, default_block_v(n_states * H)),
+                                ("grads_block_v", grads_block_v, 32)):
+        if size is None:  # a default that does not divide V falls back to all of V
+            size = default if V % default == 0 else V
+        blocks[name] = min(size, V)
+        if V % blocks[name]:
+            raise ValueError(f"{name}: V={V} is not a multiple of {name}={blocks[name]}")
+    if cu_seqlens is not None:
         q, k, v, g, beta, do = (to_aligned(x, layout) for x in (q, k, v, g, beta, do))
         offsets = jnp.asarray(layout.chunk_offsets)
     else:
@@ -260,4 +275,4 @@ def pallas_chunk_kda_bwd(
     return (*out, ds0)
 
 
-__all__ = ["pallas_chunk_kda_bwd"]
+__all__ = ["default_block_v", "pallas_chunk_kda_bwd"]

@@ -56,6 +56,17 @@ def test_bf16_matches_pure_jax_backward(grads: str) -> None:
         assert rel(a, b) <= 1e-2, name
 
 
+def test_default_blocks_fit_any_v() -> None:
+    """Default V blocks that do not divide V (here 32 and 64 vs V = 24 and 48) fall back to V."""
+    for v_dim in (24, 48):
+        x = make_case(65, seed=2)
+        x["v"], x["do"] = (jnp.concatenate([x[n]] * 2, axis=-1)[..., :v_dim] for n in ("v", "do"))
+        x["s0"], x["dht"] = (jnp.concatenate([x[n]] * 2, axis=-1)[..., :v_dim]
+                             for n in ("s0", "dht"))
+        got = pallas_chunk_kda_bwd(*_args(x, True), scale=K**-0.5, interpret=True)
+        assert got[2].shape == x["v"].shape and got[5].shape == x["s0"].shape
+
+
 def test_validates_block_v() -> None:
     args = _args(make_case(1, seed=0), True)
     with pytest.raises(ValueError, match="block_v"):
