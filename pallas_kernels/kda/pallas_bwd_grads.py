@@ -63,7 +63,7 @@ def _chunk_inputs(a_ref, w_ref, b_ref):
 
 
 def grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref,
-                  dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, scale, mm_dtype, bv):
+                 dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, scale, mm_dtype, bv):
     """One chunk's gradients in one kernel (``grads="fused"``)."""
     b, h, c, A, W, beta = _chunk_inputs(a_ref, w_ref, b_ref)
     sums = _value_sums(b, h, c, A, W, beta, u_ref, v_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
@@ -73,7 +73,7 @@ def grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref,
 
 
 def value_kernel(v_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
-                  *sum_refs, mm_dtype, bv):
+                 *sum_refs, mm_dtype, bv):
     """First half of ``grads="split"`` / ``"blocked"``: dv and the V sums to HBM (fp32; dW, only
     ever a matmul operand, in the operand dtype)."""
     b, h, c, A, W, beta = _chunk_inputs(a_ref, w_ref, b_ref)
