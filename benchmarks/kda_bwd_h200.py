@@ -260,8 +260,9 @@ def run_jax():
                     lambda: bench(jax.jit(ref_path), args, n_rep=2, n_inner=2), budget=150)
         save(res, out)
 
-    essentials(*SHAPES[0], (("blocked", 4), ("blocked", 8), ("fused", 8), ("split", 4)), True)
-    essentials(*SHAPES[1], (("blocked", 4),), False)
+    essentials(*SHAPES[0], (("blocked", 4), ("fused_blocked", 8), ("blocked", 8), ("fused", 8),
+                            ("fused_blocked", 4), ("split", 4)), True)
+    essentials(*SHAPES[1], (("blocked", 4), ("fused_blocked", 8)), False)
 
     # ---- where the backward's time goes: per stage, a few configs ---------------------------
     tun = lambda nw, ns: dict(interpret=False, num_warps=nw, num_stages=ns)  # noqa: E731
@@ -291,9 +292,9 @@ def run_jax():
             save(res, out)
 
     sweeps = [
-        (SHAPES[0], (("fused", 32, 4, 1), ("blocked", 32, 4, 1), ("blocked", 64, 8, 1),
-                     ("fused", 64, 8, 1), ("split", 32, 4, 1), ("blocked", 32, 8, 2),
-                     ("fused", 128, 8, 1)),
+        (SHAPES[0], (("fused", 32, 4, 1), ("blocked", 32, 4, 1), ("fused_blocked", 32, 8, 1),
+                     ("blocked", 64, 8, 1), ("fused_blocked", 64, 8, 1), ("fused", 64, 8, 1),
+                     ("split", 32, 4, 1), ("blocked", 32, 8, 2), ("fused", 128, 8, 1)),
          ((4, 1), (8, 1)), ((64, 4), (32, 4), (128, 8))),
         (SHAPES[1], (("fused", 32, 4, 1), ("blocked", 32, 4, 1)), (), ((32, 4), (16, 4))),
     ]

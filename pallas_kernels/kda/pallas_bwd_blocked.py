@@ -1,4 +1,4 @@
-"""Key-side KDA chunk gradients in 16-row sub-chunk blocks (the ``grads="blocked"`` kernel).
+"""Key-side KDA chunk gradients in 16-row sub-chunk blocks (``grads="blocked"``, "fused_blocked").
 
 Same result as ``chunk_math.key_grads`` (dq, dk, dg, dbeta of one chunk from the V sums), but the
 pairwise terms through ``L`` and ``Aqk`` are taken block by block: for every sub-chunk pair
@@ -23,10 +23,11 @@ from pallas_kernels.kda.chunk_math import BC, C, CLAMP, MID, NC, dot, pair_dtype
 _F32 = jnp.float32
 
 
-def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dqg_ref, dw_ref, dkd_ref,
-                       daqk_ref, dlu_ref, dgl_ref, dbv_ref, dq_ref, dk_ref, dg_ref, db_ref, *,
-                       scale, mm_dtype):
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _key_side(b, h, c, q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dq_ref, dk_ref, dg_ref, db_ref,
+              sums, *, scale, mm_dtype) -> None:
+    """Store dq, dk, dg, dbeta of chunk c. ``sums`` gives the V sums by row block: ``dqg(i)``,
+    ``dkd(i)``, ``yw(i)`` = (A^T dW)_i [16, K], ``dlu(i, j)``, ``daqk(i, j)`` [16, 16] for
+    ``j <= i``, ``dbv(i)`` [16] and ``dgl`` [1, K]."""
     t0 = c * C
     rs = lambda i: pl.ds(t0 + i * BC, BC)  # noqa: E731
     ld = lambda ref, i: ref[b, rs(i), h, :].astype(_F32)  # noqa: E731
@@ -41,12 +42,11 @@ def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dqg_ref, dw_ref
         Gs.append(G)
     G_last = carry
     mids = [row(G, MID) for G in Gs]
-    dG_last = dgl_ref[b, c, h, :][None, :] * jnp.exp(G_last)
+    dG_last = sums["dgl"] * jnp.exp(G_last)
     for i in range(NC):
-        dG_last = dG_last + jnp.sum(ld(dkd_ref, i) * ld(k_ref, i) * jnp.exp(G_last - Gs[i]),
+        dG_last = dG_last + jnp.sum(sums["dkd"](i) * ld(k_ref, i) * jnp.exp(G_last - Gs[i]),
                                     axis=0)[None, :]
 
-    dW = dw_ref[b, pl.ds(t0, C), h, :]
     pm = pair_dtype(mm_dtype)
     cols = [None] * NC  # column-side sums of each block, complete once its row block is done
     suffix = jnp.zeros_like(G_last)
@@ -56,14 +56,13 @@ def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dqg_ref, dw_ref
         beta = b_ref[b, rs(i), h].astype(_F32)[:, None]
         rf = jnp.exp(G - mids[i])
         bkr, qsr = beta * k * rf, qs * rf
-        yw = dot(a_ref[b, pl.ds(t0, C), h, pl.ds(i * BC, BC)], dW, mm_dtype, trans_a=True)
+        yw = sums["yw"](i)
         rk = rq = None
         for j in range(i + 1):
             cf = jnp.exp(jnp.minimum(mids[i] - Gs[j], CLAMP))
             kc = ld(k_ref, j) * cf
-            dl = -dot(yw, w_ref[b, rs(j), h, :], mm_dtype, trans_b=True) - dlu_ref[
-                b, rs(i), h, pl.ds(j * BC, BC)]
-            da = daqk_ref[b, rs(i), h, pl.ds(j * BC, BC)]
+            dl = -dot(yw, w_ref[b, rs(j), h, :], mm_dtype, trans_b=True) - sums["dlu"](i, j)
+            da = sums["daqk"](i, j)
             if i == j:
                 dl = jnp.where(ri > ci, dl, 0.0)
                 da = jnp.where(ri >= ci, da, 0.0)
@@ -74,11 +73,11 @@ def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dqg_ref, dw_ref
         rk, rq = rf * rk, rf * rq
 
         eg, ed = jnp.exp(G), jnp.exp(G_last - G)
-        dkd = ld(dkd_ref, i)
-        dqs = ld(dqg_ref, i) * eg + rq
+        dkd = sums["dkd"](i)
+        dqs = sums["dqg"](i) * eg + rq
         dk = beta * rk + cols[i] + beta * yw * eg + dkd * ed
         dG = qs * dqs + beta * k * rk - k * cols[i] + beta * yw * k * eg - dkd * k * ed
-        dbeta = dbv_ref[b, rs(i), h] + jnp.sum(yw * k * eg, axis=1) + jnp.sum(k * rk, axis=1)
+        dbeta = sums["dbv"](i) + jnp.sum(yw * k * eg, axis=1) + jnp.sum(k * rk, axis=1)
         col_sum = jnp.sum(dG, axis=0)[None, :]
         dg = col_sum - jnp.cumsum(dG, axis=0) + dG + suffix + dG_last
         suffix = suffix + col_sum
@@ -86,3 +85,85 @@ def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dqg_ref, dw_ref
         dk_ref[b, rs(i), h, :] = dk.astype(dk_ref.dtype)
         dg_ref[b, rs(i), h, :] = dg.astype(dg_ref.dtype)
         db_ref[b, rs(i), h] = dbeta.astype(db_ref.dtype)
+
+
+def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dqg_ref, dw_ref, dkd_ref,
+                       daqk_ref, dlu_ref, dgl_ref, dbv_ref, dq_ref, dk_ref, dg_ref, db_ref, *,
+                       scale, mm_dtype):
+    """``grads="blocked"``: the key side from the V sums that ``value_kernel`` left in HBM."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    t0 = c * C
+    rs = lambda i: pl.ds(t0 + i * BC, BC)  # noqa: E731
+    blk = lambda ref, i, j: ref[b, rs(i), h, pl.ds(j * BC, BC)]  # noqa: E731
+    dW = dw_ref[b, pl.ds(t0, C), h, :]
+    sums = dict(
+        dqg=lambda i: dqg_ref[b, rs(i), h, :],
+        dkd=lambda i: dkd_ref[b, rs(i), h, :],
+        yw=lambda i: dot(a_ref[b, pl.ds(t0, C), h, pl.ds(i * BC, BC)], dW, mm_dtype,
+                         trans_a=True),
+        dlu=lambda i, j: blk(dlu_ref, i, j),
+        daqk=lambda i, j: blk(daqk_ref, i, j),
+        dbv=lambda i: dbv_ref[b, rs(i), h],
+        dgl=dgl_ref[b, c, h, :][None, :],
+    )
+    _key_side(b, h, c, q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dq_ref, dk_ref, dg_ref, db_ref,
+              sums, scale=scale, mm_dtype=mm_dtype)
+
+
+def grads_kernel_blocked(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref,
+                         do_ref, dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, scale,
+                         mm_dtype, bv):
+    """``grads="fused_blocked"``: one kernel; the V loop accumulates the V sums already by row
+    block (and the [16, 16] blocks of dAqk and dLU with ``j <= i`` only), so the blocked key side
+    reads them from registers instead of HBM."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    t0 = c * C
+    ts, rs = pl.ds(t0, C), (lambda i: pl.ds(t0 + i * BC, BC))
+    K, V = hs_ref.shape[-2:]
+    betas = [b_ref[b, rs(i), h].astype(_F32)[:, None] for i in range(NC)]
+    Ws = [w_ref[b, rs(j), h, :] for j in range(NC)]  # matmul operands: stored dtype
+
+    def body(iv, acc):
+        vs = pl.ds(iv * bv, bv)
+        ld = lambda ref, i: ref[b, rs(i), h, vs].astype(_F32)  # noqa: E731
+        hv = hs_ref[b, c, h, :, vs].astype(_F32)
+        dhv = dhs_ref[b, c, h, :, vs].astype(_F32)
+        dvn_all = dvn_ref[b, ts, h, vs]
+        Us = [ld(u_ref, j) for j in range(NC)]
+        vns = [Us[j] - dot(Ws[j], hv, mm_dtype) for j in range(NC)]
+        new = dict(acc, dgl=acc["dgl"] + jnp.sum(hv * dhv, axis=1)[None, :])
+        for i in range(NC):
+            do_i, dvn_i = ld(do_ref, i), ld(dvn_ref, i)
+            yu = dot(a_ref[b, ts, h, pl.ds(i * BC, BC)], dvn_all, mm_dtype, trans_a=True)
+            dv_ref[b, rs(i), h, vs] = (betas[i] * yu).astype(dv_ref.dtype)
+            new[f"dqg{i}"] = acc[f"dqg{i}"] + dot(do_i, hv, mm_dtype, trans_b=True)
+            new[f"dw{i}"] = acc[f"dw{i}"] - dot(dvn_i, hv, mm_dtype, trans_b=True)
+            new[f"dkd{i}"] = acc[f"dkd{i}"] + dot(vns[i], dhv, mm_dtype, trans_b=True)
+            new[f"dbv{i}"] = acc[f"dbv{i}"] + jnp.sum(yu * ld(v_ref, i), axis=1)
+            for j in range(i + 1):
+                new[f"daqk{i}{j}"] = acc[f"daqk{i}{j}"] + dot(do_i, vns[j], mm_dtype, trans_b=True)
+                new[f"dlu{i}{j}"] = acc[f"dlu{i}{j}"] + dot(yu, Us[j], mm_dtype, trans_b=True)
+        return new
+
+    z = lambda *s: jnp.zeros(s, _F32)  # noqa: E731
+    init = dict(dgl=z(1, K))
+    for i in range(NC):
+        init.update({f"dqg{i}": z(BC, K), f"dw{i}": z(BC, K), f"dkd{i}": z(BC, K),
+                     f"dbv{i}": z(BC)})
+        init.update({f"{n}{i}{j}": z(BC, BC) for n in ("daqk", "dlu") for j in range(i + 1)})
+    acc = lax.fori_loop(0, V // bv, body, init)
+
+    def yw(i):  # (A^T dW)_i = sum_{j >= i} A[j, i]^T dW_j
+        out = None
+        for j in range(i, NC):
+            p = dot(a_ref[b, rs(j), h, pl.ds(i * BC, BC)], acc[f"dw{j}"], mm_dtype, trans_a=True)
+            out = p if out is None else out + p
+        return out
+
+    sums = dict(
+        dqg=lambda i: acc[f"dqg{i}"], dkd=lambda i: acc[f"dkd{i}"], yw=yw,
+        dlu=lambda i, j: acc[f"dlu{i}{j}"], daqk=lambda i, j: acc[f"daqk{i}{j}"],
+        dbv=lambda i: acc[f"dbv{i}"], dgl=acc["dgl"],
+    )
+    _key_side(b, h, c, q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dq_ref, dk_ref, dg_ref, db_ref,
+              sums, scale=scale, mm_dtype=mm_dtype)

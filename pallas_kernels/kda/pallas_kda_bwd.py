@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C
-from pallas_kernels.kda.pallas_bwd_blocked import key_kernel_blocked
+from pallas_kernels.kda.pallas_bwd_blocked import grads_kernel_blocked, key_kernel_blocked
 from pallas_kernels.kda.pallas_bwd_grads import grads_kernel, key_kernel, value_kernel
 from pallas_kernels.kda.pallas_bwd_states import dstates_kernel, states_kernel
 from pallas_kernels.kda.pallas_kda import _intra_solve_kernel, _intra_wu_kernel
@@ -130,15 +130,16 @@ def stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets=None, *, block_v, i
     )(*((chunk_offsets,) if varlen else ()), qg, W, aqk, kd, gl, do, dht)
 
 
-GRADS_VARIANTS = ("fused", "split", "blocked")
+GRADS_VARIANTS = ("fused", "split", "blocked", "fused_blocked")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_v", "variant") + _TUNING)
 def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, variant,
                 interpret, num_warps, num_stages):
     """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes. ``variant``: "fused" (one
-    kernel), "split" (V sums through HBM, fp32, then the whole-chunk key side) or "blocked"
-    (V sums through HBM, then ``pallas_bwd_blocked``'s sub-chunk-blocked key side)."""
+    kernel), "split" (V sums through HBM, fp32, then the whole-chunk key side), "blocked"
+    (V sums through HBM, then ``pallas_bwd_blocked``'s sub-chunk-blocked key side) or
+    "fused_blocked" (one kernel: V sums by row block in registers, then the blocked key side)."""
     B, Tp, H, K = q.shape
     n = Tp // C
     mm_dtype, sd = _dtypes(v)
@@ -146,12 +147,13 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, 
     params = _params(interpret, num_warps, num_stages)
     key_out = (sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype),
                sds(beta.shape, beta.dtype))
-    if variant == "fused":
+    if variant in ("fused", "fused_blocked"):
+        kernel = grads_kernel if variant == "fused" else grads_kernel_blocked
         dq, dk, dv, dg, db = pl.pallas_call(
-            functools.partial(grads_kernel, scale=scale, mm_dtype=mm_dtype, bv=block_v),
+            functools.partial(kernel, scale=scale, mm_dtype=mm_dtype, bv=block_v),
             grid=(B, H, n),
             out_shape=key_out[:2] + (sds(v.shape, v.dtype),) + key_out[2:],
-            interpret=interpret, name="kda_bwd_grads", **params,
+            interpret=interpret, name=f"kda_bwd_grads_{variant}", **params,
         )(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn)
         return dq, dk, dv, dg, db
     ck, cc = sds((B, Tp, H, K), _F32), sds((B, Tp, H, C), _F32)

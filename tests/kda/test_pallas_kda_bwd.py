@@ -30,7 +30,7 @@ def _args(x, with_state: bool) -> tuple:
 @pytest.mark.parametrize(("T", "with_state", "grads"),
                          [(1, True, "fused"), (65, True, "fused"), (150, False, "fused"),
                           (150, True, "fused"), (150, True, "split"), (65, True, "blocked"),
-                          (150, False, "blocked")])
+                          (150, False, "blocked"), (150, True, "fused_blocked")])
 def test_matches_pure_jax_backward(T: int, with_state: bool, grads: str) -> None:
     args = _args(make_case(T, seed=T), with_state)
     want = chunk_kda_bwd(*args, scale=K**-0.5)
@@ -41,7 +41,7 @@ def test_matches_pure_jax_backward(T: int, with_state: bool, grads: str) -> None
         assert rel(a, b) <= 2e-5, name
 
 
-@pytest.mark.parametrize("grads", ["fused", "blocked"])
+@pytest.mark.parametrize("grads", ["fused", "blocked", "fused_blocked"])
 def test_bf16_matches_pure_jax_backward(grads: str) -> None:
     """bf16 inputs: bf16 intermediates in HBM (kernels) vs fp32 ones (pure JAX), same matmuls;
     measured <= 3e-3."""
