@@ -260,9 +260,9 @@ def run_jax():
                     lambda: bench(jax.jit(ref_path), args, n_rep=2, n_inner=2), budget=150)
         save(res, out)
 
-    essentials(*SHAPES[0], (("blocked", 4), ("fused_blocked", 8), ("blocked", 8), ("fused", 8),
+    essentials(*SHAPES[0], (("fused", 4), ("fused_blocked", 8), ("blocked", 8), ("fused", 8),
                             ("fused_blocked", 4), ("split", 4)), True)
-    essentials(*SHAPES[1], (("blocked", 4), ("fused_blocked", 8)), False)
+    essentials(*SHAPES[1], (("fused", 4), ("fused_blocked", 8)), False)
 
     # ---- where the backward's time goes: per stage, a few configs ---------------------------
     tun = lambda nw, ns: dict(interpret=False, num_warps=nw, num_stages=ns)  # noqa: E731
