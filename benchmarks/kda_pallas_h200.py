@@ -36,8 +36,8 @@ CMP = "/tmp/kda_cmp.npz"
 # exceed shared memory) and "split" did not beat "v1" at B4 (14.4 ms), so this sweep adds
 # "blocks" (one program per 16-row sub-chunk, then the solve, then W/U).
 CONFIGS = [
-    (128, 8, 1, "v1"), (64, 8, 1, "split"), (128, 8, 1, "blocks"), (128, 4, 1, "blocks"),
-    (64, 4, 1, "blocks"),
+    (128, 8, 1, "blocks"), (64, 4, 1, "blocks"), (128, 8, 1, "v1"), (128, 4, 1, "blocks"),
+    (64, 8, 1, "split"),
 ]
 # KDA_SKIP_XLA=1 skips the slow unfused / XLA-reference columns (already recorded).
 SKIP_XLA = os.environ.get("KDA_SKIP_XLA") == "1"
