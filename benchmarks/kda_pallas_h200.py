@@ -32,12 +32,10 @@ LB = -5.0
 D = 128
 CMP = "/tmp/kda_cmp.npz"
 # (block_v, num_warps, num_stages, intra kernel); warps and stages apply to every kernel of the
-# call. 2026-11-29: "lean" was slower than "v1" (16.4 vs 13.9 ms at B4 T8192 H96; 3 stages
-# exceed shared memory) and "split" did not beat "v1" at B4 (14.4 ms), so this sweep adds
-# "blocks" (one program per 16-row sub-chunk, then the solve, then W/U).
+# call. The first two are the defaults (`default_tiles`) for many / few sequence-heads; the rest
+# were the next best in the 2026-11-29 sweeps (benchmarks/RESULTS.md).
 CONFIGS = [
-    (128, 8, 1, "blocks"), (64, 4, 1, "blocks"), (128, 8, 1, "v1"), (128, 4, 1, "blocks"),
-    (64, 8, 1, "split"),
+    (128, 8, 1, "v1"), (64, 8, 1, "split"), (128, 8, 1, "split"), (64, 4, 1, "split"),
 ]
 # KDA_SKIP_XLA=1 skips the slow unfused / XLA-reference columns (already recorded).
 SKIP_XLA = os.environ.get("KDA_SKIP_XLA") == "1"

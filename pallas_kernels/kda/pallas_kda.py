@@ -86,7 +86,7 @@ NC = C // BC
 MID = 8  # midpoint row of a sub-chunk
 LOWER_BOUND_MIN = -5.0
 _CLAMP = 40.0  # column-factor exponent clamp; needed values are < 35 when g >= -5
-INTRA_VARIANTS = ("v1", "split", "blocks")
+INTRA_VARIANTS = ("v1", "split")
 
 
 def _dot(a, b, mm_dtype, *, trans_a=False, trans_b=False):
@@ -294,108 +294,6 @@ def _intra_solve_kernel(
             x_ref[b, ts, h, pl.ds(j * BC, BC)] = blk
 
 
-def _intra_rows_kernel(
-    q_ref, k_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, lower_bound,
-):
-    """First kernel of ``intra="blocks"``: one program per 16-row sub-chunk ``I`` of a chunk.
-
-    Writes row block ``I`` of ``L`` (fp32, for ``_solve_kernel``) and of ``Aqk``, and the rows
-    of Qg, Kd, ``bk = beta k e^G``. Only ``q_I, k_I, G_I`` and one column sub-chunk at a time are
-    live (~40 KB instead of ~100 KB per program). ``G`` is built from per-sub-chunk cumsums plus
-    carries (masked sums of the rows before), and ``G_last`` from sub-chunk 3's own cumsum, the
-    same ops in every program, so Kd's last row is exactly k as in the other variants.
-    """
-    if fused:
-        gs_ref, db_ref, l_ref, bk_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
-    else:
-        l_ref, bk_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
-    b, h, c, I = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    if fused:
-        gate_scale = gs_ref[h, :].astype(_F32)[None, :]
-        dt_bias = db_ref[h, :].astype(_F32)[None, :]
-    K = q_ref.shape[-1]
-    t0 = c * C
-    sd = qg_ref.dtype
-    rows = lax.broadcasted_iota(jnp.int32, (BC, K), 0)
-    rows_c = lax.broadcasted_iota(jnp.int32, (C, K), 0)
-    ri = lax.broadcasted_iota(jnp.int32, (BC, BC), 0)
-    ci = lax.broadcasted_iota(jnp.int32, (BC, BC), 1)
-
-    def gate(g):
-        g = g.astype(_F32)
-        return lower_bound * jax.nn.sigmoid(gate_scale * (g + dt_bias)) if fused else g
-
-    def l2(x):
-        x = x.astype(_F32)
-        return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6) if fused else x
-
-    def last_row(x):
-        return jnp.sum(jnp.where(rows == BC - 1, x, 0.0), axis=0)
-
-    g_all = gate(g_ref[b, pl.ds(t0, C), h, :])
-    carries = [jnp.sum(jnp.where(rows_c < j * BC, g_all, 0.0), axis=0) for j in range(NC)]
-    carry_i = carries[0]
-    for j in range(1, NC):
-        carry_i = jnp.where(I == j, carries[j], carry_i)
-
-    def cum_gate(j_start, carry):
-        return jnp.cumsum(gate(g_ref[b, pl.ds(j_start, BC), h, :]), axis=0) + carry[None, :]
-
-    G_last = last_row(cum_gate(t0 + (NC - 1) * BC, carries[NC - 1]))
-    ts = pl.ds(t0 + I * BC, BC)
-    G = cum_gate(t0 + I * BC, carry_i)
-    k = l2(k_ref[b, ts, h, :])
-    beta = b_ref[b, ts, h].astype(_F32)
-    beta = jax.nn.sigmoid(beta) if fused else beta
-    qs = l2(q_ref[b, ts, h, :]) * scale
-    qg_ref[b, ts, h, :] = (qs * jnp.exp(G)).astype(sd)
-    kd_ref[b, ts, h, :] = (k * jnp.exp(G_last[None, :] - G)).astype(sd)
-    bk_ref[b, ts, h, :] = (beta[:, None] * k * jnp.exp(G)).astype(sd)
-
-    @pl.when(I == NC - 1)
-    def _():
-        gl_ref[b, c, h, :] = jnp.exp(G_last)
-
-    G_m = jnp.sum(jnp.where(rows == MID, G, 0.0), axis=0)[None, :]
-    row_fac = jnp.exp(G - G_m)
-    kl = k * row_fac
-    ql = qs * row_fac
-    for j in range(NC):
-        cols = pl.ds(j * BC, BC)
-
-        @pl.when(j <= I)
-        def _():
-            tj = t0 + j * BC
-            kr = l2(k_ref[b, pl.ds(tj, BC), h, :]) * jnp.exp(
-                jnp.minimum(G_m - cum_gate(tj, carries[j]), _CLAMP))
-            lk = _dot(kl, kr, mm_dtype, trans_b=True) * beta[:, None]
-            aq = _dot(ql, kr, mm_dtype, trans_b=True)
-            below = I > j
-            l_ref[b, ts, h, cols] = jnp.where(below | (ri > ci), lk, 0.0)
-            a_ref[b, ts, h, cols] = jnp.where(below | (ri >= ci), aq, 0.0).astype(a_ref.dtype)
-
-        @pl.when(j > I)
-        def _():
-            l_ref[b, ts, h, cols] = jnp.zeros((BC, BC), _F32)
-            a_ref[b, ts, h, cols] = jnp.zeros((BC, BC), a_ref.dtype)
-
-
-def _solve_kernel(l_ref, x_ref):
-    """Second kernel of ``intra="blocks"``: ``X = (I + L)^{-1}`` of one chunk from its fp32 blocks."""
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t0 = c * C
-    ri = lax.broadcasted_iota(jnp.int32, (BC, BC), 0)
-    ci = lax.broadcasted_iota(jnp.int32, (BC, BC), 1)
-    L = {(i, j): l_ref[b, pl.ds(t0 + i * BC, BC), h, pl.ds(j * BC, BC)]
-         for i in range(NC) for j in range(i + 1)}
-    X = _unit_lower_inverse(L, (ri == ci).astype(_F32))
-    for i in range(NC):
-        ts = pl.ds(t0 + i * BC, BC)
-        for j in range(NC):
-            blk = X[i, j] if j <= i else jnp.zeros((BC, BC), _F32)
-            x_ref[b, ts, h, pl.ds(j * BC, BC)] = blk.astype(x_ref.dtype)
-
-
 def _intra_wu_kernel(x_ref, bk_ref, v_ref, b_ref, w_ref, u_ref, *, mm_dtype, fused):
     """Second half of ``intra="split"``: ``W = X bk`` and ``U = X (beta v)`` per whole chunk."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -441,37 +339,28 @@ def _is_pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
 
-def _intra_split(ins, mm_dtype, sd, scale, fused, lower_bound, interpret, params, blocks):
-    """The intra stage in kernels with smaller live sets: "split" = ``_intra_solve_kernel`` then
-    ``_intra_wu_kernel``; "blocks" = ``_intra_rows_kernel`` (per sub-chunk), ``_solve_kernel``,
-    then ``_intra_wu_kernel``."""
+def _intra_split(ins, mm_dtype, sd, scale, fused, lower_bound, interpret, params):
+    """The intra stage as two kernels (``_intra_solve_kernel`` then ``_intra_wu_kernel``)."""
     q, k, v, g, beta = ins[:5]
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     n = Tp // C
-    kw = dict(scale=scale, mm_dtype=mm_dtype, fused=fused, lower_bound=lower_bound)
-    shapes = (
-        jax.ShapeDtypeStruct((B, Tp, H, C), _F32 if blocks else sd),  # L (blocks) or X
-        jax.ShapeDtypeStruct((B, Tp, H, K), sd),  # bk
-        jax.ShapeDtypeStruct((B, Tp, H, K), sd),  # Qg
-        jax.ShapeDtypeStruct((B, Tp, H, K), sd),  # Kd
-        jax.ShapeDtypeStruct((B, Tp, H, C), sd),  # Aqk
-        jax.ShapeDtypeStruct((B, n, H, K), _F32),  # e^{G_last}
-    )
-    if blocks:
-        lx, bk, qg, kd, aqk, gl = pl.pallas_call(
-            functools.partial(_intra_rows_kernel, **kw), grid=(B, H, n, NC), out_shape=shapes,
-            interpret=interpret, name="kda_intra_rows", **params,
-        )(q, k, g, beta, *ins[5:])
-        x = pl.pallas_call(
-            _solve_kernel, grid=(B, H, n), out_shape=jax.ShapeDtypeStruct((B, Tp, H, C), sd),
-            interpret=interpret, name="kda_intra_inverse", **params,
-        )(lx)
-    else:
-        x, bk, qg, kd, aqk, gl = pl.pallas_call(
-            functools.partial(_intra_solve_kernel, **kw), grid=(B, H, n), out_shape=shapes,
-            interpret=interpret, name="kda_intra_solve", **params,
-        )(q, k, g, beta, *ins[5:])
+    x, bk, qg, kd, aqk, gl = pl.pallas_call(
+        functools.partial(_intra_solve_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused,
+                          lower_bound=lower_bound),
+        grid=(B, H, n),
+        out_shape=(
+            jax.ShapeDtypeStruct((B, Tp, H, C), sd),  # X = (I + L)^-1
+            jax.ShapeDtypeStruct((B, Tp, H, K), sd),  # beta k e^G
+            jax.ShapeDtypeStruct((B, Tp, H, K), sd),  # Qg
+            jax.ShapeDtypeStruct((B, Tp, H, K), sd),  # Kd
+            jax.ShapeDtypeStruct((B, Tp, H, C), sd),  # Aqk
+            jax.ShapeDtypeStruct((B, n, H, K), _F32),  # e^{G_last}
+        ),
+        interpret=interpret,
+        name="kda_intra_solve",
+        **params,
+    )(q, k, g, beta, *ins[5:])
     w, u = pl.pallas_call(
         functools.partial(_intra_wu_kernel, mm_dtype=mm_dtype, fused=fused),
         grid=(B, H, n),
@@ -511,9 +400,9 @@ def _pallas_chunk_kda(
         ))
 
     ins = (q, k, v, g, beta) + ((gate_scale, dt_bias) if fused else ())
-    if intra in ("split", "blocks"):
+    if intra == "split":
         w, u, qg, kd, aqk, gl = _intra_split(ins, mm_dtype, sd, scale, fused, lower_bound,
-                                            interpret, params, intra == "blocks")
+                                            interpret, params)
     else:
         intra_fn = functools.partial(
             _intra_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused, lower_bound=lower_bound
