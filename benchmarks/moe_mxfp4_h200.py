@@ -11,9 +11,8 @@ timed; a case that fails (compile error, wrong numbers) is recorded and the othe
 Cases (K3 per-GPU slices, M = 16384 rows sorted by expert, group sizes uniform):
   * gate+up 3584 -> 2x3072 (SiTU fused) and down 3072 -> 3584 at E=28: the bf16 kernel on bf16 weights, the
     same kernels reading MXFP4 weights and decoding tiles in registers (default: weights as the MMA's left
-    operand + PTX decoder; also the jnp decoder, the plain orientation, and x in fragment order), and XLA
-    decode of the whole layer followed by the bf16 kernel (what routed_experts did before the in-kernel
-    decode);
+    operand; also the plain orientation, and x in fragment order), and XLA decode of the whole layer
+    followed by the bf16 kernel (what routed_experts does);
   * gate+up and down at E=112 (146-147 rows per expert): 128-row tiles with a 32-row tail tile (the new
     small-group default) vs 64-row tiles (the old default) vs plain 128-row tiles; mma_rows_* = rows of MMA
     work per column block (useful: 16384);
@@ -52,7 +51,6 @@ def uniform_sizes(num_experts: int, m: int = M) -> list[int]:
 
 
 def part_jax(budget_s: float) -> None:
-    import dataclasses
     import functools
 
     import jax
@@ -223,14 +221,14 @@ def part_jax(budget_s: float) -> None:
 
     # -- 2. forward GEMMs ------------------------------------------------------------------------------
     # First entry of each list: the default config for those weights (the reference for the others). MXFP4:
-    # the default (weights as the MMA's left operand, PTX decoder), the jnp decoder, the plain orientation.
+    # the default (weights as the MMA's left operand, jnp decoder) and the plain orientation; the PTX decoder
+    # is only exercised by the edge cases above (it gave wrong results on the H200).
     mx = functools.partial(pg.for_weights, mxfp4=True)
-    jnp_decode = dict(weights_lhs=True, ptx_decode=False)
     cases = [
         ("gate_up_E28", 28, True, [pg.GATE_UP_DEFAULT],
-         [mx(pg.GATE_UP_DEFAULT), dataclasses.replace(pg.GATE_UP_DEFAULT, **jnp_decode), pg.GATE_UP_DEFAULT]),
+         [mx(pg.GATE_UP_DEFAULT), pg.GATE_UP_DEFAULT]),
         ("down_E28", 28, False, [pg.DOWN_DEFAULT],
-         [mx(pg.DOWN_DEFAULT), dataclasses.replace(pg.DOWN_DEFAULT, **jnp_decode)]),
+         [mx(pg.DOWN_DEFAULT)]),
         # new small-group tiles (128 + 32-row tail) vs the old default (64-row tiles)
         ("gate_up_E112", 112, True, [pg.GATE_UP_SMALL_GROUPS, T(64, 256, 64, 8, 3)],
          [mx(pg.GATE_UP_SMALL_GROUPS)]),

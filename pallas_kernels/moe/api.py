@@ -29,29 +29,30 @@ def routed_experts(
     pallas_grouped_gemm.py): compiled through Pallas-Triton on GPU, interpret mode elsewhere (tests only).
 
     Weights may be `MXFP4Experts` (uint8 E2M1 codes + E8M0 scales, kept packed in HBM at 4.25 bits per
-    weight). "pallas" on GPU (and in interpret mode) reads them packed: each grouped-GEMM tile loads codes
-    and scales and decodes them in registers (mxfp4_tile.py), so only 4.25 bits per weight are read and no
-    decoded copy exists. The other implementations decode the whole layer's experts to x's dtype right
-    before their GEMMs (`decode_experts`; a transient copy of one layer's experts). Both decodes are exact,
-    so the packed and the decoded model give identical results.
+    weight). Every implementation decodes the whole layer's experts to x's dtype right before its GEMMs
+    (`decode_experts`; a transient copy of one layer's experts), so the packed and the decoded model give
+    identical results. The Pallas kernels can also read them packed and decode per tile in registers
+    (`experts_pallas` with MXFP4Experts), exact as well, but on the H200 that ran at 224 / 238 TFLOP/s
+    (gate+up / down, 28 experts x 16384 rows) against 342 / 339 for this decode-then-bf16-kernel path
+    (benchmarks/moe_mxfp4_h200.py, 2026-11-29), so "pallas" decodes first until the tile decode is cheaper.
     """
+    w1, w2, w3 = (decode_experts(w, x.dtype) for w in (w1, w2, w3))
     if implementation == "auto":
         implementation = "pallas" if jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16 else "xla"
-    if implementation == "pallas" and jax.default_backend() != "tpu":
-        # imported here so that the default paths never import Pallas
-        from pallas_kernels.moe.pallas_experts import experts_pallas  # noqa: PLC0415
-
-        return experts_pallas(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
-    w1, w2, w3 = (decode_experts(w, x.dtype) for w in (w1, w2, w3))
     if implementation == "xla":
         return experts_ragged_dot(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
     if implementation == "dense":
         return experts_all_dense(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
-    if implementation == "pallas":
+    if implementation == "pallas" and jax.default_backend() == "tpu":
         # Mosaic-TPU fused gate+up+SiTU (tested in TPU interpret mode, not yet on hardware, so "auto"
         # does not pick it); the down projection stays a lax.ragged_dot.
         from pallas_kernels.moe.pallas_mosaic_tpu import tpu_grouped_gate_up_situ  # noqa: PLC0415
 
         gate_up = functools.partial(tpu_grouped_gate_up_situ, beta=beta, linear_beta=linear_beta)
         return experts_ragged_dot(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta, gate_up=gate_up)
+    if implementation == "pallas":
+        # imported here so that the default paths never import Pallas
+        from pallas_kernels.moe.pallas_experts import experts_pallas  # noqa: PLC0415
+
+        return experts_pallas(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
     raise ValueError(f"implementation={implementation!r}: expected 'auto', 'xla', 'dense' or 'pallas'")

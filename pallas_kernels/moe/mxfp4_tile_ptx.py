@@ -19,6 +19,12 @@ power-of-two scaling, hence exact while the result is normal.
 Pallas-Triton's inline asm returns one result per call (several results do not lower in JAX 0.11), so the
 low and the high nibbles are two calls joined afterwards; each call sees four bytes per instance (pack=4).
 Interpret mode cannot run PTX: the kernels use `mxfp4_tile.decode_tile` there.
+
+Status: WRONG on the H200 (2026-11-29, benchmarks/moe_mxfp4_h200.py: rel err ~1 against the decoded
+reference, every case), while tests/moe's instruction-level model of this PTX matches the release decode
+bit for bit. So the bit logic holds and the assumption that fails is the interface: which tensor
+elements Triton packs into $2..$4 and in which order it unpacks $0, $1. Off by default (TileConfig.ptx_decode)
+until that is pinned down on a GPU.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ and decodes them to x's dtype in registers (mxfp4_tile.py; on GPU the PTX decode
 right before the dot, so HBM traffic for weights is 4.25 bits per weight and no decoded copy of the layer
 is ever written. Their default configs (`for_weights`) feed the decoded tile as the MMA's left operand so
 it goes from registers straight to wgmma. block_k must be a multiple of 32 (one scale byte per 32 inputs).
+On the H200 (2026-11-29) this ran at 224 / 238 TFLOP/s (gate+up / down, E=28) against 540 / 538 for bf16
+weights and 342 / 339 for XLA decoding the layer first: the per-tile decode (about 740 SASS instructions per
+thread and k step) outweighs the MMAs, so `routed_experts` still decodes in XLA (see api.py).
 
 Work decomposition (computed in plain JAX inside the same jit, a few hundred int32 ops): every expert's
 rows are cut into ``block_m`` row tiles that never straddle two experts (at most ``cdiv(M, bm) + E``
@@ -93,7 +96,9 @@ class TileConfig:
     the rows are the MMA's N, so 16 or 32 is cheap; without it tail_m should stay >= 64 (wgmma's M).
 
     ptx_decode: MXFP4 tiles are decoded by the inline-PTX decoder (mxfp4_tile_ptx.py, bf16 pairs per
-    instruction) instead of the jnp one; GPU only (interpret mode always runs the jnp decoder).
+    instruction) instead of the jnp one; GPU only (interpret mode always runs the jnp decoder). Off by
+    default: on the H200 (2026-11-29) its outputs were wrong (rel err ~1) although its PTX passes the
+    instruction-model test, so the mismatch is in how the elements reach the asm registers; to debug.
     """
 
     block_m: int = 128
@@ -120,8 +125,9 @@ SMALL_GROUP_ROWS = 320  # average rows per expert below which the small-group co
 
 
 def for_weights(cfg: TileConfig, mxfp4: bool) -> TileConfig:
-    """MXFP4 weights always go in as the MMA's left operand, decoded by the PTX decoder (see TileConfig)."""
-    return dataclasses.replace(cfg, weights_lhs=True, ptx_decode=True) if mxfp4 else cfg
+    """MXFP4 weights go in as the MMA's left operand (224 vs 176 TFLOP/s gate+up at E=28 on the H200,
+    2026-11-29), decoded by the jnp decoder: the PTX decoder gave wrong results there (see TileConfig)."""
+    return dataclasses.replace(cfg, weights_lhs=True) if mxfp4 else cfg
 
 
 def gate_up_config(num_rows: int, num_groups: int, mxfp4: bool = False) -> TileConfig:
