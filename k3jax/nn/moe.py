@@ -7,8 +7,8 @@ latent width, run the chosen SiTU-GLU experts, weighted sum in fp32, RMSNorm, up
 experts see the full-width input (k3-architecture.md §4).
 
 Routed experts are either dense (`RoutedExperts`) or kept MXFP4-packed as the release stores them
-(`PackedRoutedExperts`, 4.25 bits per weight in HBM; the Pallas expert GEMMs on GPU decode them tile by
-tile in registers, the XLA paths and the expert-parallel path decode the layer right before their GEMMs);
+(`PackedRoutedExperts`, 4.25 bits per weight in HBM, decoded one layer at a time right before the expert
+GEMMs; the Pallas kernels' per-tile decode exists but is slower on the H200, see pallas_kernels/moe/api.py);
 `pack_routed_experts` turns a model's experts into the packed form (used on abstract models by the
 loaders, which then fill in the release's codes and scales).
 """
