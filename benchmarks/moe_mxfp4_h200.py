@@ -101,7 +101,7 @@ def part_jax(budget_s: float) -> None:
 
     def tag(cfg) -> str:
         return (f"bm{cfg.block_m}_bn{cfg.block_n}_bk{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
-                + ("_wlhs" if cfg.weights_lhs else "") + ("_ptx" if cfg.ptx_decode else "")
+                + ("_wlhs" if cfg.weights_lhs else "")
                 + (f"_tail{cfg.tail_m}" if cfg.tail_m else ""))
 
     def run_case(record: dict, name: str, fn, args, check) -> None:
@@ -130,11 +130,11 @@ def part_jax(budget_s: float) -> None:
         ref = situ(ragged(x, d1, gs), ragged(x, d3, gs), BETA, LINEAR_BETA)
         try:
             out = {}
-            for lhs, ptx in ((False, False), (True, True)):
-                c = T(64, 64, 32, 4, 3, weights_lhs=lhs, ptx_decode=ptx, tail_m=16 if lhs else None)
-                out[f"gate_up_lhs{int(lhs)}_ptx{int(ptx)}"] = rel(pg.grouped_gate_up_situ(
+            for lhs in (False, True):
+                c = T(64, 64, 32, 4, 3, weights_lhs=lhs, tail_m=16 if lhs else None)
+                out[f"gate_up_lhs{int(lhs)}"] = rel(pg.grouped_gate_up_situ(
                     x, q1, q3, gs, cfg=c, out_dtype=jnp.float32, approx_situ=False, interpret=INTERPRET), ref)
-                out[f"matmul_lhs{int(lhs)}_ptx{int(ptx)}"] = rel(pg.grouped_matmul(
+                out[f"matmul_lhs{int(lhs)}"] = rel(pg.grouped_matmul(
                     x, q1, gs, cfg=c, out_dtype=jnp.float32, interpret=INTERPRET), ragged(x, d1, gs))
             edge[name] = out
         except Exception as e:
@@ -221,8 +221,7 @@ def part_jax(budget_s: float) -> None:
 
     # -- 2. forward GEMMs ------------------------------------------------------------------------------
     # First entry of each list: the default config for those weights (the reference for the others). MXFP4:
-    # the default (weights as the MMA's left operand, jnp decoder) and the plain orientation; the PTX decoder
-    # is only exercised by the edge cases above (it gave wrong results on the H200).
+    # the default (weights as the MMA's left operand) and the plain orientation.
     mx = functools.partial(pg.for_weights, mxfp4=True)
     cases = [
         ("gate_up_E28", 28, True, [pg.GATE_UP_DEFAULT],

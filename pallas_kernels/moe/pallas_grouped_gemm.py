@@ -16,7 +16,7 @@ the MMA transposed (no host-side transpose). Rows past ``sum(group_sizes)`` come
 
 MXFP4 weights (``MXFP4Experts``: uint8 codes [E, N, K/2] + E8M0 scales [E, N, K/32], the release layout)
 go through the same kernel: each k step loads the packed [bn, bk/2] code tile and its [bn, bk/32] scales
-and decodes them to x's dtype in registers (mxfp4_tile.py; on GPU the PTX decoder, mxfp4_tile_ptx.py)
+and decodes them to x's dtype in registers (mxfp4_tile.py)
 right before the dot, so HBM traffic for weights is 4.25 bits per weight and no decoded copy of the layer
 is ever written. Their default configs (`for_weights`) feed the decoded tile as the MMA's left operand so
 it goes from registers straight to wgmma. block_k must be a multiple of 32 (one scale byte per 32 inputs).
@@ -72,7 +72,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.moe.mxfp4_tile import BLOCK, decode_tile
-from pallas_kernels.moe.mxfp4_tile_ptx import decode_tile_ptx
 from pallas_kernels.moe.reference import MXFP4Experts
 
 F32 = jnp.float32
@@ -94,11 +93,6 @@ class TileConfig:
     the loop at that height instead of block_m, so the expert's remainder is not padded to a full tile
     (at 146 rows per expert, 128 + 32 instead of 2 x 128 or 3 x 64 rows of MMA work). With weights_lhs
     the rows are the MMA's N, so 16 or 32 is cheap; without it tail_m should stay >= 64 (wgmma's M).
-
-    ptx_decode: MXFP4 tiles are decoded by the inline-PTX decoder (mxfp4_tile_ptx.py, bf16 pairs per
-    instruction) instead of the jnp one; GPU only (interpret mode always runs the jnp decoder). Off by
-    default: on the H200 (2026-11-29) its outputs were wrong (rel err ~1) although its PTX passes the
-    instruction-model test, so the mismatch is in how the elements reach the asm registers; to debug.
     """
 
     block_m: int = 128
@@ -107,7 +101,6 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 4
     weights_lhs: bool = False
-    ptx_decode: bool = False
     tail_m: int | None = None
 
 
@@ -126,7 +119,7 @@ SMALL_GROUP_ROWS = 320  # average rows per expert below which the small-group co
 
 def for_weights(cfg: TileConfig, mxfp4: bool) -> TileConfig:
     """MXFP4 weights go in as the MMA's left operand (224 vs 176 TFLOP/s gate+up at E=28 on the H200,
-    2026-11-29), decoded by the jnp decoder: the PTX decoder gave wrong results there (see TileConfig)."""
+    2026-11-29)."""
     return dataclasses.replace(cfg, weights_lhs=True) if mxfp4 else cfg
 
 
@@ -195,7 +188,7 @@ def _situ_f32(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None
     return gate * up
 
 
-def _weight_tile(w_refs, grp, n0, k0, bn: int, bk: int, dtype, ptx: bool, fragment: bool) -> jax.Array:
+def _weight_tile(w_refs, grp, n0, k0, bn: int, bk: int, dtype, fragment: bool) -> jax.Array:
     """The [bn, bk] weight tile of expert grp at (n0, k0): a plain load, or packed codes + scales decoded
     (in fragment order when x's columns are)."""
     if len(w_refs) == 1:
@@ -203,13 +196,11 @@ def _weight_tile(w_refs, grp, n0, k0, bn: int, bk: int, dtype, ptx: bool, fragme
     packed_ref, scale_ref = w_refs
     packed = packed_ref[grp, pl.ds(n0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)]
     scale = scale_ref[grp, pl.ds(n0, bn), pl.ds(pl.multiple_of(k0 // BLOCK, bk // BLOCK), bk // BLOCK)]
-    if ptx:
-        return decode_tile_ptx(packed, scale, fragment).astype(dtype)
     return decode_tile(packed, scale, dtype, fragment)
 
 
 def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused: bool, mxfp4: bool, beta,
-            linear_beta, approx: bool, ptx: bool, fragment: bool):
+            linear_beta, approx: bool, fragment: bool):
     per_weight = 2 if mxfp4 else 1  # refs: (packed, scale) per MXFP4 weight, else one array
     w1_refs = refs[:per_weight]
     w3_refs = refs[per_weight:2 * per_weight] if fused else None
@@ -242,9 +233,9 @@ def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused
         def body(k, accs):
             k0 = pl.multiple_of(k * bk, bk)
             xt = x_ref[pl.ds(load_start, height), pl.ds(k0, bk)]
-            new = [accs[0] + mma(xt, _weight_tile(w1_refs, grp, n0, k0, bn, bk, xt.dtype, ptx, fragment))]
+            new = [accs[0] + mma(xt, _weight_tile(w1_refs, grp, n0, k0, bn, bk, xt.dtype, fragment))]
             if fused:
-                new.append(accs[1] + mma(xt, _weight_tile(w3_refs, grp, n0, k0, bn, bk, xt.dtype, ptx, fragment)))
+                new.append(accs[1] + mma(xt, _weight_tile(w3_refs, grp, n0, k0, bn, bk, xt.dtype, fragment)))
             return tuple(new)
 
         zeros = jnp.zeros((bn, height) if cfg.weights_lhs else (height, bn), F32)
@@ -300,7 +291,7 @@ def _grouped_call(x, ws, group_sizes, *, cfg: TileConfig, fused: bool, beta, lin
     meta = _schedule(group_sizes, m, cfg.block_m, num_n_blocks)
     kernel = functools.partial(_kernel, num_rows=m, num_groups=group_sizes.shape[0], cfg=cfg, fused=fused,
                                mxfp4=mxfp4, beta=beta, linear_beta=linear_beta, approx=approx and not interpret,
-                               ptx=cfg.ptx_decode and not interpret, fragment=fragment)
+                               fragment=fragment)
     operands = [a for w in ws for a in ((w.packed, w.scale) if mxfp4 else (w,))]
     name = "k3_moe_gate_up_situ" if fused else "k3_moe_grouped_matmul"
     out = pl.pallas_call(

@@ -111,9 +111,9 @@ def test_tail_tiles_lower_to_triton_for_cuda(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_default_configs_by_group_size_and_weight_format() -> None:
     """Tiles picked from static shapes: small groups (< 320 rows/expert) get the tail tile; MXFP4 weights the
-    left-operand order (jnp decoder: the PTX one was wrong on the H200); the 28-expert bf16 defaults are the
+    left-operand order; the 28-expert bf16 defaults are the
     measured ones, unchanged."""
     assert pg.gate_up_config(16384, 28) == pg.GATE_UP_DEFAULT and pg.down_config(16384, 28) == pg.DOWN_DEFAULT
     assert pg.gate_up_config(16384, 112).tail_m == 32 and pg.down_config(16384, 112).tail_m == 32
     for cfg in (pg.gate_up_config(16384, 28, mxfp4=True), pg.down_config(16384, 112, mxfp4=True)):
-        assert cfg.weights_lhs and not cfg.ptx_decode
+        assert cfg.weights_lhs
