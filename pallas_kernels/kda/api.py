@@ -47,6 +47,20 @@ def _expect_state(name: str, x: jax.Array, expected: tuple[int, ...], layout: st
         raise ValueError(f"{name}: expected dtype float32 (states are kept in fp32), got {x.dtype}")
 
 
+def _state_and_offsets(
+    q: jax.Array, v: jax.Array, initial_state: jax.Array | None, cu_seqlens: object | None
+) -> tuple[jax.Array, tuple[int, ...] | None]:
+    """The initial state (zeros when None) and the packed-sequence offsets as a hashable tuple,
+    which is how the custom VJPs below take them (a non-differentiable argument)."""
+    offsets = None
+    if cu_seqlens is not None:
+        offsets = tuple(int(o) for o in host_offsets(cu_seqlens, q.shape[1]))
+    n_states = q.shape[0] if offsets is None else len(offsets) - 1
+    if initial_state is None:
+        initial_state = jnp.zeros((n_states, q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+    return initial_state, offsets
+
+
 def _pallas_op(
     q: jax.Array,
     k: jax.Array,
@@ -58,17 +72,12 @@ def _pallas_op(
     initial_state: jax.Array | None,
     cu_seqlens: object | None,
 ) -> tuple[jax.Array, jax.Array]:
-    offsets = None  # a hashable tuple: it is a non-differentiable argument of the custom VJP
-    if cu_seqlens is not None:
-        offsets = tuple(int(o) for o in host_offsets(cu_seqlens, q.shape[1]))
-    n_states = q.shape[0] if offsets is None else len(offsets) - 1
-    if initial_state is None:
-        initial_state = jnp.zeros((n_states, q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return _pallas_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale, offsets)
+    initial_state, offsets = _state_and_offsets(q, v, initial_state, cu_seqlens)
+    return _pallas_kda_differentiable(q, k, v, g, beta, initial_state, scale, offsets)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _pallas_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale, cu_seqlens):
+def _pallas_kda_differentiable(q, k, v, g, beta, initial_state, scale, cu_seqlens):
     """The Pallas forward, differentiable: gradients for q, k, v, g, beta and the initial state
     from the analytic Pallas backward (``pallas_kda_bwd.py``, recomputing from the inputs), packed
     sequences included."""
@@ -88,7 +97,7 @@ def _pallas_kda_bwd(scale, cu_seqlens, inputs, cotangents):
     return pallas_chunk_kda_bwd(*inputs, *cotangents, scale=scale, cu_seqlens=cu_seqlens)
 
 
-_pallas_kda_with_reference_vjp.defvjp(_pallas_kda_fwd, _pallas_kda_bwd)
+_pallas_kda_differentiable.defvjp(_pallas_kda_fwd, _pallas_kda_bwd)
 
 
 def _tpu_op(
@@ -102,12 +111,7 @@ def _tpu_op(
     initial_state: jax.Array | None,
     cu_seqlens: object | None,
 ) -> tuple[jax.Array, jax.Array]:
-    offsets = None  # a hashable tuple: it is a non-differentiable argument of the custom VJP
-    if cu_seqlens is not None:
-        offsets = tuple(int(o) for o in host_offsets(cu_seqlens, q.shape[1]))
-    n_states = q.shape[0] if offsets is None else len(offsets) - 1
-    if initial_state is None:
-        initial_state = jnp.zeros((n_states, q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+    initial_state, offsets = _state_and_offsets(q, v, initial_state, cu_seqlens)
     return _tpu_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale, offsets)
 
 

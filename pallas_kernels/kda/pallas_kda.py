@@ -70,6 +70,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.kda.chunk_math import BC, C, MID, NC
+from pallas_kernels.kda.chunk_math import CLAMP as _CLAMP
+from pallas_kernels.kda.chunk_math import dot as _dot
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
@@ -79,27 +82,8 @@ except ImportError:  # pragma: no cover
     pl_triton = None
 
 _F32 = jnp.float32
-_HI = lax.Precision.HIGHEST
-C = 64  # chunk
-BC = 16  # sub-chunk
-NC = C // BC
-MID = 8  # midpoint row of a sub-chunk
 LOWER_BOUND_MIN = -5.0
-_CLAMP = 40.0  # column-factor exponent clamp; needed values are < 35 when g >= -5
 INTRA_VARIANTS = ("v1", "split")
-
-
-def _dot(a, b, mm_dtype, *, trans_a=False, trans_b=False):
-    """a @ b with fp32 accumulation; fp32 operands use IEEE fp32 (no TF32)."""
-    dims = (((0,) if trans_a else (1,)), ((1,) if trans_b else (0,)))
-    if mm_dtype == _F32:
-        return lax.dot_general(
-            a.astype(_F32), b.astype(_F32), (dims, ((), ())), precision=(_HI, _HI),
-            preferred_element_type=_F32,
-        )
-    return lax.dot_general(
-        a.astype(mm_dtype), b.astype(mm_dtype), (dims, ((), ())), preferred_element_type=_F32
-    )
 
 
 def _dot32(a, b):
