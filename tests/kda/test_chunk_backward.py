@@ -15,38 +15,26 @@ import pytest
 
 from pallas_kernels.kda.chunk_backward import chunk_kda_bwd
 from pallas_kernels.kda.reference import chunked_kda, naive_recurrent_kda
+from tests.kda.kda_cases import as_f32, kda_case
+from tests.kda.kda_cases import rel as kda_rel
 
 B, H, K, V = 2, 2, 16, 24  # K != V on purpose
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
-
-
 def make_case(T: int, seed: int) -> dict[str, jax.Array]:
-    """K3-like inputs (unit q/k, gate in (-5, 0)) plus random cotangents for o and the state."""
+    """K3-like inputs plus random cotangents for o and the state."""
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, T, H, K))
-    k = rng.standard_normal((B, T, H, K))
-    x = dict(
-        q=q / np.linalg.norm(q, axis=-1, keepdims=True),
-        k=k / np.linalg.norm(k, axis=-1, keepdims=True),
-        v=rng.standard_normal((B, T, H, V)),
-        g=-5.0 * _sigmoid(2.0 * rng.standard_normal((B, T, H, K))),
-        beta=_sigmoid(rng.standard_normal((B, T, H))),
-        s0=0.5 * rng.standard_normal((B, H, K, V)),
-        do=rng.standard_normal((B, T, H, V)),
-        dht=rng.standard_normal((B, H, K, V)),
-    )
-    return {n: jnp.asarray(a, jnp.float32) for n, a in x.items()}
+    x = kda_case(rng, B, T, H, K, V)
+    x["do"] = rng.standard_normal((B, T, H, V))
+    x["dht"] = rng.standard_normal((B, H, K, V))
+    return as_f32(x)
 
 
 def rel(a: jax.Array, b: jax.Array) -> float:
     """Relative L2 error; the 1e-2 floor covers gradients that are exactly zero (dg at T=1
     without an initial state: the decay then multiplies a zero state)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-2))
+    return kda_rel(a, b, floor=1e-2)
 
 
 def reference_grads(fn, x: dict[str, jax.Array], with_state: bool) -> tuple[jax.Array, ...]:

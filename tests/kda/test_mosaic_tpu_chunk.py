@@ -14,35 +14,15 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.kda import api
 from pallas_kernels.kda.pallas_mosaic_tpu_chunk import tpu_chunk_kda
 from pallas_kernels.kda.reference import chunked_kda, naive_recurrent_kda
+from tests.kda.kda_cases import as_f32, kda_case, rel
 
 INTERP = pltpu.InterpretParams(detect_races=True)
 B, H, K, V = 2, 2, 32, 64  # K != V on purpose
 LB = -5.0
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
-
-
 def make_inputs(T: int, seed: int, batch: int = B) -> dict[str, jax.Array]:
-    """K3-like fp32 inputs: unit q/k, gate in (-5, 0) with many steps near the bound."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((batch, T, H, K))
-    k = rng.standard_normal((batch, T, H, K))
-    x = dict(
-        q=q / np.linalg.norm(q, axis=-1, keepdims=True),
-        k=k / np.linalg.norm(k, axis=-1, keepdims=True),
-        v=rng.standard_normal((batch, T, H, V)),
-        g=LB * _sigmoid(2.0 * rng.standard_normal((batch, T, H, K))),
-        beta=_sigmoid(rng.standard_normal((batch, T, H))),
-        s0=0.5 * rng.standard_normal((batch, H, K, V)),
-    )
-    return {n: jnp.asarray(a, jnp.float32) for n, a in x.items()}
-
-
-def rel(a: jax.Array, b: jax.Array) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    return as_f32(kda_case(np.random.default_rng(seed), batch, T, H, K, V, LB))
 
 
 def _no_races() -> bool:

@@ -14,34 +14,14 @@ import pytest
 from pallas_kernels.kda import chunk_kda, naive_recurrent_kda
 from pallas_kernels.kda.pallas_kda import pallas_chunk_kda, pallas_chunk_kda_fused_gate
 from pallas_kernels.kda.reference import chunked_kda
+from tests.kda.kda_cases import as_f32, kda_case, rel
 
 B, H, K, V = 2, 2, 32, 64  # K != V on purpose
 LB = -5.0
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
-
-
 def make_inputs(T: int, seed: int = 0) -> dict[str, jax.Array]:
-    """K3-like fp32 inputs: unit q/k, gate in (-5, 0) with many steps near the bound."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, T, H, K))
-    k = rng.standard_normal((B, T, H, K))
-    x = dict(
-        q=q / np.linalg.norm(q, axis=-1, keepdims=True),
-        k=k / np.linalg.norm(k, axis=-1, keepdims=True),
-        v=rng.standard_normal((B, T, H, V)),
-        g=LB * _sigmoid(2.0 * rng.standard_normal((B, T, H, K))),
-        beta=_sigmoid(rng.standard_normal((B, T, H))),
-        s0=0.5 * rng.standard_normal((B, H, K, V)),
-    )
-    return {n: jnp.asarray(a, jnp.float32) for n, a in x.items()}
-
-
-def rel(a: jax.Array, b: jax.Array) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    return as_f32(kda_case(np.random.default_rng(seed), B, T, H, K, V, LB))
 
 
 def _ref(x: dict[str, jax.Array], s0: jax.Array | None) -> tuple[jax.Array, jax.Array]:
