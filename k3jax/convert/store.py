@@ -183,7 +183,11 @@ class ItemStore:
     def __init__(self, root: Path) -> None:
         self.items = root / ITEMS
         self._checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
-        writes = ocp.type_handlers.create_type_handler_registry((np.ndarray, _UnsyncedNumpyHandler()))
+        # jax.Array keeps Orbax's own handler: the items are numpy, but a registry without it makes
+        # Orbax warn on every save that array metadata persistence is off.
+        writes = ocp.type_handlers.create_type_handler_registry(
+            (np.ndarray, _UnsyncedNumpyHandler()), (jax.Array, ocp.type_handlers.ArrayHandler())
+        )
         self._writer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False,
                                                                     type_handler_registry=writes))
 
