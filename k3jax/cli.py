@@ -124,7 +124,7 @@ def _run_convert(args: argparse.Namespace) -> int:
                 print(format_device_bytes(report))
             return 0
         result = convert(args.hf_dir, args.out_dir, dtype=args.dtype, experts=args.experts, resume=args.resume,
-                         verify=args.verify, progress=not args.quiet, mesh=args.mesh)
+                         verify=args.verify, progress=not args.quiet, mesh=args.mesh, sync=not args.no_sync)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -212,6 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="re-read every leaf and compare it with the source (and logits, when small)")
     conv.add_argument("--plan-only", action="store_true", help="print the plan (leaves, bytes, sources) and stop")
     conv.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    conv.add_argument("--no-sync", action="store_true",
+                      help="commit items without waiting for the disk (faster where the disk is the limit; a "
+                           "killed run still resumes exactly, a machine crash may need --resume --verify)")
 
     pl = commands.add_parser("plan", help="per-device memory of prefill/decode (and a train step) on a mesh: FITS?")
     pl.add_argument("--config", type=Path, required=True, help="config.json (HF release or configs/kimi_k3.json)")

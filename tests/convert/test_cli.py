@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from k3jax.cli import main
 
 
@@ -20,3 +22,12 @@ def test_quiet_prints_nothing(tmp_path, golden_dir, capsys):
 def test_out_dir_is_required_without_plan_only(golden_dir, capsys):
     assert main(["convert", str(golden_dir)]) == 2
     assert "OUT_DIR is required" in capsys.readouterr().err
+
+
+def test_no_sync_writes_the_same_checkpoint(tmp_path, golden_dir):
+    """--no-sync changes only when data reaches the disk, not what is written."""
+    assert main(["convert", str(golden_dir), str(tmp_path / "a"), "--quiet"]) == 0
+    assert main(["convert", str(golden_dir), str(tmp_path / "b"), "--quiet", "--no-sync"]) == 0
+    manifests = [json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("a", "b")]
+    assert manifests[0]["items"] == manifests[1]["items"]
+    assert (tmp_path / "b" / "COMPLETE").is_file()
