@@ -436,6 +436,8 @@ def default_tiles(sequence_heads: int) -> tuple[int, str]:
     with few sequence-heads (B1 H16: 16 programs for 132 SMs) halving block_v doubles the
     parallel programs and the lighter two-kernel intra stage helps: 4.03 vs 5.30 ms at B1 T32768
     H16. With many (B4 H96) the whole-width "v1" is fastest: 13.8 ms vs 14.4 ("split").
+    The threshold lies between those two measured points (16 and 384 sequence-heads) and is not
+    itself measured; K3's batch-1 prefill (96 heads) falls below it.
     """
     if sequence_heads < FEW_SEQUENCE_HEADS:
         return 64, "split"
