@@ -22,7 +22,10 @@ def materialize(leaf: LeafPlan, index: CheckpointIndex) -> np.ndarray:
     if leaf.kind == "experts":
         out = np.empty(leaf.shape, leaf.dtype)
         for e, part in enumerate(leaf.parts):
-            out[e] = _finite(_cast(_read_piece(part, index), leaf.dtype), part)
+            if len(part) == 2:  # MXFP4 codes + scales: the table decode, as `materialize_item` uses
+                out[e] = _decode_pair(part, index.read(part[0]), index.read(part[1]), leaf.dtype)
+            else:
+                out[e] = _finite(_cast(index.read(part[0]), leaf.dtype), part)
         return out
     if leaf.kind in ("mxfp4_packed", "mxfp4_scale"):
         which = 0 if leaf.kind == "mxfp4_packed" else 1
@@ -46,12 +49,7 @@ _SCALE_MAY_OVERFLOW = 253
 def _read_piece(part: tuple[str, ...], index: CheckpointIndex) -> np.ndarray:
     if len(part) == 1:
         return index.read(part[0])
-    packed, scale = part
-    try:
-        with np.errstate(over="ignore"):  # an overflow to inf is reported by `_finite`, with the names
-            return decode_mxfp4(index.read(packed), index.read(scale))
-    except ValueError as err:
-        raise CheckpointError(f"tensors {packed} / {scale}: {err}") from None
+    return _read_piece_arrays(part, index.read(part[0]), index.read(part[1]))
 
 
 def _a_log(stored: np.ndarray, name: str, num_heads: int) -> np.ndarray:
@@ -216,8 +214,9 @@ def _decode_pair(part: tuple[str, ...], packed: np.ndarray, scale: np.ndarray, d
 
 
 def _read_piece_arrays(part: tuple[str, ...], packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The reference decode of an MXFP4 pair; its errors name the two tensors."""
     try:
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore"):  # an overflow to inf is reported by `_finite`, with the names
             return decode_mxfp4(packed, scale)
     except ValueError as err:
         raise CheckpointError(f"tensors {part[0]} / {part[1]}: {err}") from None
