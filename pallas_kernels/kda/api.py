@@ -47,35 +47,6 @@ def _expect_state(name: str, x: jax.Array, expected: tuple[int, ...], layout: st
         raise ValueError(f"{name}: expected dtype float32 (states are kept in fp32), got {x.dtype}")
 
 
-def _state_and_offsets(
-    q: jax.Array, v: jax.Array, initial_state: jax.Array | None, cu_seqlens: object | None
-) -> tuple[jax.Array, tuple[int, ...] | None]:
-    """The initial state (zeros when None) and the packed-sequence offsets as a hashable tuple,
-    which is how the custom VJPs below take them (a non-differentiable argument)."""
-    offsets = None
-    if cu_seqlens is not None:
-        offsets = tuple(int(o) for o in host_offsets(cu_seqlens, q.shape[1]))
-    n_states = q.shape[0] if offsets is None else len(offsets) - 1
-    if initial_state is None:
-        initial_state = jnp.zeros((n_states, q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return initial_state, offsets
-
-
-def _pallas_op(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    *,
-    scale: float,
-    initial_state: jax.Array | None,
-    cu_seqlens: object | None,
-) -> tuple[jax.Array, jax.Array]:
-    initial_state, offsets = _state_and_offsets(q, v, initial_state, cu_seqlens)
-    return _pallas_kda_differentiable(q, k, v, g, beta, initial_state, scale, offsets)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _pallas_kda_differentiable(q, k, v, g, beta, initial_state, scale, cu_seqlens):
     """The Pallas forward, differentiable: gradients for q, k, v, g, beta and the initial state
@@ -98,21 +69,6 @@ def _pallas_kda_bwd(scale, cu_seqlens, inputs, cotangents):
 
 
 _pallas_kda_differentiable.defvjp(_pallas_kda_fwd, _pallas_kda_bwd)
-
-
-def _tpu_op(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    *,
-    scale: float,
-    initial_state: jax.Array | None,
-    cu_seqlens: object | None,
-) -> tuple[jax.Array, jax.Array]:
-    initial_state, offsets = _state_and_offsets(q, v, initial_state, cu_seqlens)
-    return _tpu_kda_with_reference_vjp(q, k, v, g, beta, initial_state, scale, offsets)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -140,6 +96,33 @@ def _tpu_kda_bwd(scale, cu_seqlens, inputs, cotangents):
 
 
 _tpu_kda_with_reference_vjp.defvjp(_tpu_kda_fwd, _tpu_kda_bwd)
+
+
+def _run_differentiable(
+    differentiable: Callable[..., tuple[jax.Array, jax.Array]],
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float,
+    initial_state: jax.Array | None,
+    cu_seqlens: object | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Call a kernel's custom VJP with a zero initial state when none is given and the packed
+    offsets as a hashable tuple (its non-differentiable argument)."""
+    offsets = None
+    if cu_seqlens is not None:
+        offsets = tuple(int(o) for o in host_offsets(cu_seqlens, q.shape[1]))
+    n_states = q.shape[0] if offsets is None else len(offsets) - 1
+    if initial_state is None:
+        initial_state = jnp.zeros((n_states, q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+    return differentiable(q, k, v, g, beta, initial_state, scale, offsets)
+
+
+_pallas_op = functools.partial(_run_differentiable, _pallas_kda_differentiable)
+_tpu_op = functools.partial(_run_differentiable, _tpu_kda_with_reference_vjp)
 
 
 def _safe_gate(lower_bound: float | None) -> bool:
