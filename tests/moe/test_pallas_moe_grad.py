@@ -136,14 +136,8 @@ def test_grouped_matmul_tn_matches_ragged_contracting_dot(name: str) -> None:
     np.testing.assert_array_equal(np.asarray(out)[np.asarray(gs) == 0], 0.0)
 
 
-def test_grouped_matmul_tn_lowers_to_triton_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grouped_matmul_tn_lowers_to_triton_for_cuda(h200_triton: None) -> None:
     """dW1/dW3 at K3 shapes (2F = 6144, in = 3584, 28 experts) as the H200 would compile it (no GPU needed)."""
-    try:
-        from jax._src.pallas.triton import gpu_info, pallas_call_registration
-    except ImportError:  # private modules: only a guard against JAX moving them
-        pytest.skip("Pallas-Triton internals not available in this JAX")
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     sds = jax.ShapeDtypeStruct
     args = (sds((16384, 6144), jnp.bfloat16), sds((16384, 3584), jnp.bfloat16), sds((28,), jnp.int32))
     fn = functools.partial(pg.grouped_matmul_tn, out_dtype=F32)

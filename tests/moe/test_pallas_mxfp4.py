@@ -173,14 +173,8 @@ def test_packed_grads_flow_to_x_only() -> None:
 @pytest.mark.parametrize("weights_lhs", [False, True])
 @pytest.mark.parametrize("which", ["gate_up", "down"])
 def test_packed_kernels_lower_to_triton_for_cuda(which: str, weights_lhs: bool,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+                                                 h200_triton: None) -> None:
     """Pallas -> Triton IR at the K3 shapes (28 experts) with packed weights, as the H200 would compile it."""
-    try:
-        from jax._src.pallas.triton import gpu_info, pallas_call_registration
-    except ImportError:  # private modules: only a guard against JAX moving them
-        pytest.skip("Pallas-Triton internals not available in this JAX")
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     m, h, f, experts = 16384, 3584, 3072, 28
     sds = jax.ShapeDtypeStruct
     packed = lambda n, k: MXFP4Experts(sds((experts, n, k // 2), jnp.uint8),  # noqa: E731
@@ -198,14 +192,8 @@ def test_packed_kernels_lower_to_triton_for_cuda(which: str, weights_lhs: bool,
     # beyond a few bytes); that needs the triton package, which this environment does not install.
 
 
-def test_routed_path_with_default_configs_lowers_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_routed_path_with_default_configs_lowers_for_cuda(h200_triton: None) -> None:
     """experts_pallas on packed K3 experts (E=28, 2048 tokens x top-8) with its default tiles, compiled path."""
-    try:
-        from jax._src.pallas.triton import gpu_info, pallas_call_registration
-    except ImportError:  # private modules: only a guard against JAX moving them
-        pytest.skip("Pallas-Triton internals not available in this JAX")
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     sds = jax.ShapeDtypeStruct
     packed = lambda n, k: MXFP4Experts(sds((28, n, k // 2), jnp.uint8), sds((28, n, k // 32), jnp.uint8))  # noqa: E731
     args = (sds((2048, 3584), jnp.bfloat16), packed(3072, 3584), packed(3584, 3072), packed(3072, 3584),
