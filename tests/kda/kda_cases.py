@@ -13,9 +13,11 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def kda_case(
-    rng: np.random.Generator, batch: int, T: int, H: int, K: int, V: int, lower_bound: float = -5.0
+    rng: np.random.Generator, batch: int, T: int, H: int, K: int, V: int, lower_bound: float = -5.0,
+    states: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """q, k [batch, T, H, K] unit rows; v [batch, T, H, V]; g, beta; s0 [batch, H, K, V] (numpy)."""
+    """q, k [batch, T, H, K] unit rows; v [batch, T, H, V]; g, beta; s0 [states, H, K, V] (numpy;
+    states defaults to batch, packed sequences pass their count)."""
     q = rng.standard_normal((batch, T, H, K))
     k = rng.standard_normal((batch, T, H, K))
     return dict(
@@ -24,7 +26,7 @@ def kda_case(
         v=rng.standard_normal((batch, T, H, V)),
         g=lower_bound * _sigmoid(2.0 * rng.standard_normal((batch, T, H, K))),
         beta=_sigmoid(rng.standard_normal((batch, T, H))),
-        s0=0.5 * rng.standard_normal((batch, H, K, V)),
+        s0=0.5 * rng.standard_normal((batch if states is None else states, H, K, V)),
     )
 
 

@@ -15,37 +15,18 @@ from pallas_kernels.kda import chunk_kda
 from pallas_kernels.kda.pallas_kda import pallas_chunk_kda, pallas_chunk_kda_fused_gate
 from pallas_kernels.kda.reference import chunked_kda
 from pallas_kernels.kda.varlen_layout import chunk_layout
+from tests.kda.kda_cases import as_f32, kda_case, rel
 
 H, K, V = 2, 32, 64  # K != V on purpose
 LB = -5.0
 MIXES = [(1, 63, 64, 65, 130), (130, 0, 1), (64, 64), (65,), (2, 3, 5)]
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
-
-
 def packed_inputs(lens: tuple[int, ...], seed: int = 0) -> tuple[dict[str, jax.Array], np.ndarray]:
     """K3-like fp32 packed inputs [1, T, ...], per-sequence initial states, and cu_seqlens."""
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    T, N = int(cu[-1]), len(lens)
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((1, T, H, K))
-    k = rng.standard_normal((1, T, H, K))
-    x = dict(
-        q=q / np.linalg.norm(q, axis=-1, keepdims=True),
-        k=k / np.linalg.norm(k, axis=-1, keepdims=True),
-        v=rng.standard_normal((1, T, H, V)),
-        g=LB * _sigmoid(2.0 * rng.standard_normal((1, T, H, K))),
-        beta=_sigmoid(rng.standard_normal((1, T, H))),
-        s0=0.5 * rng.standard_normal((N, H, K, V)),
-    )
-    return {n: jnp.asarray(a, jnp.float32) for n, a in x.items()}, cu
-
-
-def rel(a: jax.Array, b: jax.Array) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    x = kda_case(np.random.default_rng(seed), 1, int(cu[-1]), H, K, V, LB, states=len(lens))
+    return as_f32(x), cu
 
 
 def _args(x: dict[str, jax.Array]) -> tuple[jax.Array, ...]:
