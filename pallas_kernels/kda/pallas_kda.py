@@ -86,6 +86,19 @@ LOWER_BOUND_MIN = -5.0
 INTRA_VARIANTS = ("v1", "split")
 
 
+def compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
+    """Triton launch parameters of a ``pl.pallas_call`` (none in interpret mode)."""
+    if interpret or pl_triton is None:
+        return {}
+    return dict(compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+
+
+def matmul_dtypes(v: jax.Array) -> tuple[jnp.dtype, jnp.dtype]:
+    """(matmul operand dtype, stored-intermediate dtype): IEEE fp32 throughout for fp32 inputs,
+    else bf16 operands and intermediates in the input dtype (as fla)."""
+    return (_F32, _F32) if v.dtype == _F32 else (jnp.bfloat16, v.dtype)
+
+
 def _dot32(a, b):
     return _dot(a, b, _F32)
 
@@ -323,12 +336,15 @@ def _is_pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
 
-def _intra_split(ins, mm_dtype, sd, scale, fused, lower_bound, interpret, params):
-    """The intra stage as two kernels (``_intra_solve_kernel`` then ``_intra_wu_kernel``)."""
+def intra_split(ins, *, scale, fused, lower_bound, interpret, params):
+    """The intra stage as two kernels (``_intra_solve_kernel`` then ``_intra_wu_kernel``):
+    ``(X, W, U, Qg, Kd, Aqk, gl)`` with ``X = (I + L)^{-1}``, which the backward reuses.
+    ``ins``: q, k, v, g, beta [, gate_scale, dt_bias when ``fused``]."""
     q, k, v, g, beta = ins[:5]
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     n = Tp // C
+    mm_dtype, sd = matmul_dtypes(v)
     x, bk, qg, kd, aqk, gl = pl.pallas_call(
         functools.partial(_intra_solve_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused,
                           lower_bound=lower_bound),
@@ -356,7 +372,7 @@ def _intra_split(ins, mm_dtype, sd, scale, fused, lower_bound, interpret, params
         name="kda_intra_wu",
         **params,
     )(x, bk, v, beta)
-    return w, u, qg, kd, aqk, gl
+    return x, w, u, qg, kd, aqk, gl
 
 
 @functools.partial(
@@ -374,19 +390,15 @@ def _pallas_chunk_kda(
     B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
     V = v.shape[-1]
     n = Tp // C
-    mm_dtype = _F32 if v.dtype == _F32 else jnp.bfloat16
-    sd = _F32 if mm_dtype == _F32 else v.dtype
+    mm_dtype, sd = matmul_dtypes(v)
     bv = min(block_v, V)
-    params = {}
-    if not interpret and pl_triton is not None:
-        params = dict(compiler_params=pl_triton.CompilerParams(
-            num_warps=num_warps, num_stages=num_stages
-        ))
+    params = compiler_params(interpret, num_warps, num_stages)
 
     ins = (q, k, v, g, beta) + ((gate_scale, dt_bias) if fused else ())
     if intra == "split":
-        w, u, qg, kd, aqk, gl = _intra_split(ins, mm_dtype, sd, scale, fused, lower_bound,
-                                            interpret, params)
+        _, w, u, qg, kd, aqk, gl = intra_split(ins, scale=scale, fused=fused,
+                                               lower_bound=lower_bound, interpret=interpret,
+                                               params=params)
     else:
         intra_fn = functools.partial(
             _intra_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused, lower_bound=lower_bound

@@ -37,30 +37,11 @@ from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.pallas_bwd_blocked import grads_kernel_blocked, key_kernel_blocked
 from pallas_kernels.kda.pallas_bwd_grads import grads_kernel, key_kernel, value_kernel
 from pallas_kernels.kda.pallas_bwd_states import dstates_kernel, states_kernel
-from pallas_kernels.kda.pallas_kda import _intra_solve_kernel, _intra_wu_kernel
+from pallas_kernels.kda.pallas_kda import compiler_params, intra_split, matmul_dtypes
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
-try:  # Triton compiler params (GPU only); interpret mode ignores them.
-    from jax.experimental.pallas import triton as pl_triton
-except ImportError:  # pragma: no cover
-    pl_triton = None
-
 _F32 = jnp.float32
-
-
-def _params(interpret: bool, num_warps: int, num_stages: int) -> dict:
-    if interpret or pl_triton is None:
-        return {}
-    return dict(compiler_params=pl_triton.CompilerParams(num_warps=num_warps,
-                                                         num_stages=num_stages))
-
-
-def _dtypes(v: jax.Array):
-    """(matmul operand dtype, stored-intermediate dtype)."""
-    return (_F32, _F32) if v.dtype == _F32 else (jnp.bfloat16, v.dtype)
-
-
 _TUNING = ("interpret", "num_warps", "num_stages")
 
 
@@ -72,25 +53,10 @@ def stage_parts(q, k, v, g, beta, *, scale, interpret, num_warps, num_stages):
     block inverse), so W, U, Aqk, Qg, Kd are the forward's values bit for bit; A is the
     ``(I + L)^{-1}`` that its first kernel already writes.
     """
-    B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
-    V, n = v.shape[-1], Tp // C
-    mm_dtype, sd = _dtypes(v)
-    sds = jax.ShapeDtypeStruct
-    params = _params(interpret, num_warps, num_stages)
-    A, bk, qg, kd, aqk, gl = pl.pallas_call(
-        functools.partial(_intra_solve_kernel, scale=scale, mm_dtype=mm_dtype, fused=False,
-                          lower_bound=0.0),
-        grid=(B, H, n),
-        out_shape=(sds((B, Tp, H, C), sd), sds((B, Tp, H, K), sd), sds((B, Tp, H, K), sd),
-                   sds((B, Tp, H, K), sd), sds((B, Tp, H, C), sd), sds((B, n, H, K), _F32)),
-        interpret=interpret, name="kda_bwd_intra_solve", **params,
-    )(q, k, g, beta)
-    W, U = pl.pallas_call(
-        functools.partial(_intra_wu_kernel, mm_dtype=mm_dtype, fused=False),
-        grid=(B, H, n),
-        out_shape=(sds((B, Tp, H, K), sd), sds((B, Tp, H, V), sd)),
-        interpret=interpret, name="kda_bwd_intra_wu", **params,
-    )(A, bk, v, beta)
+    A, W, U, qg, kd, aqk, gl = intra_split(
+        (q, k, v, g, beta), scale=scale, fused=False, lower_bound=0.0, interpret=interpret,
+        params=compiler_params(interpret, num_warps, num_stages),
+    )
     return A, W, U, aqk, qg, kd, gl
 
 
@@ -101,14 +67,14 @@ def stage_states(W, U, kd, gl, h0, chunk_offsets=None, *, block_v, interpret, nu
     ``[S + 1]``) marks a chunk-aligned packed batch (B == 1) of S sequences with states h0[s]."""
     B, Tp, H, K = W.shape
     V, n = U.shape[-1], Tp // C
-    mm_dtype, sd = _dtypes(U)
+    mm_dtype, sd = matmul_dtypes(U)
     varlen = chunk_offsets is not None
     return pl.pallas_call(
         functools.partial(states_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype,
                           varlen=varlen),
         grid=(h0.shape[0], H, V // block_v),
         out_shape=jax.ShapeDtypeStruct((B, n, H, K, V), sd),
-        interpret=interpret, name="kda_bwd_states", **_params(interpret, num_warps, num_stages),
+        interpret=interpret, name="kda_bwd_states", **compiler_params(interpret, num_warps, num_stages),
     )(*((chunk_offsets,) if varlen else ()), W, U, kd, gl, h0)
 
 
@@ -118,7 +84,7 @@ def stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets=None, *, block_v, i
     """Pass 2b: ``(dh [B, N, H, K, V], dv_new [B, Tp, H, V], d initial_state)``."""
     B, Tp, H, K = W.shape
     V, n = do.shape[-1], Tp // C
-    mm_dtype, sd = _dtypes(do)
+    mm_dtype, sd = matmul_dtypes(do)
     sds = jax.ShapeDtypeStruct
     varlen = chunk_offsets is not None
     return pl.pallas_call(
@@ -126,7 +92,7 @@ def stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets=None, *, block_v, i
                           varlen=varlen),
         grid=(dht.shape[0], H, V // block_v),
         out_shape=(sds((B, n, H, K, V), sd), sds((B, Tp, H, V), sd), sds(dht.shape, _F32)),
-        interpret=interpret, name="kda_bwd_dstates", **_params(interpret, num_warps, num_stages),
+        interpret=interpret, name="kda_bwd_dstates", **compiler_params(interpret, num_warps, num_stages),
     )(*((chunk_offsets,) if varlen else ()), qg, W, aqk, kd, gl, do, dht)
 
 
@@ -142,9 +108,9 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, 
     "fused_blocked" (one kernel: V sums by row block in registers, then the blocked key side)."""
     B, Tp, H, K = q.shape
     n = Tp // C
-    mm_dtype, sd = _dtypes(v)
+    mm_dtype, sd = matmul_dtypes(v)
     sds = jax.ShapeDtypeStruct
-    params = _params(interpret, num_warps, num_stages)
+    params = compiler_params(interpret, num_warps, num_stages)
     key_out = (sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype),
                sds(beta.shape, beta.dtype))
     if variant in ("fused", "fused_blocked"):
