@@ -78,6 +78,7 @@ from pallas_kernels.moe.reference import situ
 F32 = jnp.float32
 Strategy = Literal["auto", "all_to_all", "allgather", "decode"]
 Exchange = Literal["auto", "ragged", "padded"]
+Implementation = Literal["auto", "xla", "pallas"]
 
 # rows [M, in] against w [G, out, in]: contract rows' dim 1 with w's dim 2, rows grouped along dim 0.
 _RAGGED_DIMS = jax.lax.RaggedDotDimensionNumbers(
@@ -121,9 +122,19 @@ def dispatch_bytes_per_token(
 # ---- per-device pieces -----------------------------------------------------------------------------
 
 
-def _grouped_mlp(rows, group_sizes, w1, w2, w3, *, beta, linear_beta, f_axis):
-    """SiTU-GLU of rows grouped by local expert; rows past sum(group_sizes) come out zero. -> rows.dtype."""
+def _grouped_mlp(rows, group_sizes, w1, w2, w3, *, beta, linear_beta, f_axis, implementation):
+    """SiTU-GLU of rows grouped by local expert; rows past sum(group_sizes) come out zero. -> rows.dtype.
+
+    "pallas": the Pallas grouped GEMMs (gate+up+SiTU fused, then down; custom VJP), else
+    `lax.ragged_dot_general` (which reaches only 7-28 TFLOP/s at K3's expert shapes on an H200). With F
+    split over `tensor`, the Pallas down GEMM hands its partial sums over in rows.dtype: one rounding more
+    than the XLA path's fp32 psum (bf16: 2^-9 relative, the size of the output's own rounding)."""
     dtype = rows.dtype
+    if implementation == "pallas":
+        from pallas_kernels.moe.pallas_experts import grouped_expert_mlp  # noqa: PLC0415 (GPU path only)
+
+        out = grouped_expert_mlp(rows, group_sizes, w1, w2, w3, beta=beta, linear_beta=linear_beta)
+        return (out if f_axis is None else jax.lax.psum(out.astype(F32), f_axis)).astype(dtype)
 
     def grouped(lhs, rhs):
         return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DIMS, preferred_element_type=F32)
@@ -263,12 +274,14 @@ def ep_routed_experts(
     x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, weights: jax.Array, ids: jax.Array,
     *, mesh: Mesh, beta: float, linear_beta: float | None, strategy: Strategy = "auto",
     expert_axis: str = "expert", token_axes: Sequence[str] = ("data", "fsdp"), tensor_axis: str | None = "tensor",
-    exchange: Exchange = "auto", decode_max_tokens: int = 64,
+    exchange: Exchange = "auto", decode_max_tokens: int = 64, implementation: Implementation = "auto",
 ) -> jax.Array:
     """sum_j weights[n, j] * E_{ids[n, j]}(x[n]) in fp32 [N, out], experts split over `expert_axis`.
 
     Same math as `pallas_kernels.moe.reference.experts_ragged_dot`; see the module docstring for the
     strategies and the layouts. Static decisions (strategy, padding, buffer sizes) depend on shapes only.
+    implementation: the local experts' grouped GEMMs, "xla" (`lax.ragged_dot_general`) or "pallas"
+    (`grouped_expert_mlp`); "auto" = "pallas" for bf16 on GPU, as `routed_experts` picks.
     """
     n, k = ids.shape
     num_experts, f = w1.shape[0], w1.shape[1]
@@ -295,8 +308,14 @@ def ep_routed_experts(
     ids = ids.astype(jnp.int32)
     weights = weights.astype(F32)
 
+    if implementation == "auto":
+        implementation = "pallas" if jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16 else "xla"
+    if implementation not in ("xla", "pallas"):
+        raise ValueError(f"implementation={implementation!r}: expected 'auto', 'xla' or 'pallas'")
+
     def mlp(rows, group_sizes, a, b, c):
-        return _grouped_mlp(rows, group_sizes, a, b, c, beta=beta, linear_beta=linear_beta, f_axis=f_axis)
+        return _grouped_mlp(rows, group_sizes, a, b, c, beta=beta, linear_beta=linear_beta, f_axis=f_axis,
+                            implementation=implementation)
 
     if strategy == "decode":
         fn = lambda *a: _decode_body(*a, expert_axis=expert_axis, mlp=mlp)  # noqa: E731
@@ -312,10 +331,13 @@ def ep_routed_experts(
     rows_spec = P(row_axes if row_axes else None, None)
     up_spec = P(expert_axis, f_axis, None)
     down_spec = P(expert_axis, None, f_axis)
+    # A pallas_call's output carries no manual-axis (vma) type, and jax 0.11.2's Pallas interpreter
+    # fails the vma check inside the kernel body, so the Pallas path runs the shard_map unchecked
+    # (tests/sharding/test_expert_parallel.py checks its forward and gradients on every strategy).
     out = jax.shard_map(
         body, mesh=mesh,
         in_specs=(rows_spec, up_spec, down_spec, up_spec, rows_spec, rows_spec),
-        out_specs=rows_spec,
+        out_specs=rows_spec, check_vma=implementation != "pallas",
     )(x, w1, w2, w3, weights, ids)
     return out[:n]
 

@@ -151,7 +151,7 @@ class LatentMoE(nnx.Module):
 
             w1, w2, w3 = (decode_experts(w, latent_in.dtype) for w in (w1, w2, w3))
             mixed = ep_routed_experts(latent_in, w1, w2, w3, weights, ids, mesh=self.expert_mesh, beta=self.beta,
-                                      linear_beta=self.linear_beta)
+                                      linear_beta=self.linear_beta, implementation=self.implementation)
         mixed = mixed.astype(x.dtype)
         if self.routed_expert_norm is not None:
             mixed = self.routed_expert_norm(mixed)
