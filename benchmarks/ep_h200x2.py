@@ -91,7 +91,7 @@ def place(args, mesh, tokens_split: bool):
             jax.device_put(weights, rows), jax.device_put(ids, rows))
 
 
-def layer_cases(smoke: bool) -> list[dict]:
+def layer_cases(smoke: bool, shapes: tuple[str, ...], grads: bool) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -103,19 +103,22 @@ def layer_cases(smoke: bool) -> list[dict]:
     impl = "xla" if smoke else "pallas"
     dtype = jnp.float32 if smoke else jnp.bfloat16
     e, k, d, f = (8, 2, 32, 16) if smoke else (56, 8, 3584, 3072)
-    shapes = [("prefill", 64 if smoke else 8192), ("decode", 8 if smoke else 64)]
+    sizes = {"prefill": 64 if smoke else 8192, "decode": 8 if smoke else 64}
     rows = []
-    for label, n in shapes:
+    for label in shapes:
+        n = sizes[label]
         args = layer_problem(n, e, k, d, f, dtype)
         one_gpu = jax.jit(lambda *a: routed_experts(*a, beta=BETA, linear_beta=LINEAR_BETA, implementation=impl))
         want = one_gpu(*args)
         flops = 2 * n * k * d * f * 3  # useful GEMM flops: gate, up, down
         rows.append(dict(shape=label, n=n, strategy="one GPU", ms=median_ms(one_gpu, *args), err=0.0))
-        strategies = ["all_to_all", "allgather", "decode"]
-        for strategy in strategies:
-            fn = jax.jit(lambda *a, s=strategy: ep_routed_experts(
-                *a, mesh=mesh, beta=BETA, linear_beta=LINEAR_BETA, strategy=s, implementation=impl))
+        # the padded exchange is the CPU fallback; timed here too, against XLA's ragged-all-to-all
+        strategies = [("all_to_all", "ragged"), ("all_to_all", "padded"), ("allgather", "auto"), ("decode", "auto")]
+        for strategy, exchange in strategies:
+            fn = jax.jit(lambda *a, s=strategy, x=exchange: ep_routed_experts(
+                *a, mesh=mesh, beta=BETA, linear_beta=LINEAR_BETA, strategy=s, exchange=x, implementation=impl))
             placed = place(args, mesh, tokens_split=strategy != "decode")
+            strategy = f"{strategy} ({exchange})" if strategy == "all_to_all" else strategy
             try:
                 err = rel_rms(fn(*placed), want)
                 row = dict(shape=label, n=n, strategy=strategy, err=err, ok=err <= 1e-5)
@@ -123,13 +126,13 @@ def layer_cases(smoke: bool) -> list[dict]:
             except Exception as exc:  # recorded, the other cases still run
                 row = dict(shape=label, n=n, strategy=strategy, error=f"{type(exc).__name__}: {exc}"[:500])
             rows.append(row)
-        for row in rows[-4:]:
+        for row in rows[-5:]:
             if "ms" in row:
                 row["tflops"] = flops / row["ms"] * 1e-9
-            log(f"layer {label:8s} N={n:5d} {row['strategy']:11s} " + (
+            log(f"layer {label:8s} N={n:5d} {row['strategy']:21s} " + (
                 f"{row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s  rel-RMS vs one GPU {row['err']:.2e}"
                 if "ms" in row else row["error"]))
-        if label == "prefill":
+        if label == "prefill" and grads:
             rows += layer_gradients(args, mesh, impl, label)
     return rows
 
@@ -180,6 +183,9 @@ def golden_model_cases() -> list[dict]:
     from sharding import make_mesh, shard_batch, shard_model
 
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 16)), jnp.int32)
+    # fp32 dots on a GPU default to TF32 (~1e-3 relative), which would hide a sharding error below the
+    # model's own noise; "highest" gives the fp32 products the 1e-5 bound is about.
+    jax.config.update("jax_default_matmul_precision", "highest")
     rows = []
     for dtype, meshes in (("float32", ("expert=2", "tensor=2", "data=2")), ("bfloat16", ("expert=2",))):
         model = k3jax.from_pretrained(GOLDEN, dtype=dtype)
@@ -204,7 +210,10 @@ def golden_model_cases() -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on 2 fake CPU devices")
-    smoke = parser.parse_args().smoke
+    parser.add_argument("--parts", default="layer,grads,decode,golden,tests",
+                        help="comma-separated subset of: layer (prefill shape), grads, decode, golden, tests")
+    args = parser.parse_args()
+    smoke, parts = args.smoke, set(args.parts.split(","))
     if smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"
         import jax
@@ -216,14 +225,19 @@ def main() -> None:
     log(f"{time.strftime('%Y-%m-%d %H:%M:%S')} devices: {jax.devices()}")
     if jax.device_count() != 2:
         sys.exit(f"needs exactly 2 devices (nvidia-h200-x2, or --smoke), found {jax.device_count()}")
-    result = dict(devices=[str(dev) for dev in jax.devices()], layer=layer_cases(smoke))
-    result["golden"] = golden_model_cases()
-    if not smoke:
+    result = dict(devices=[str(dev) for dev in jax.devices()])
+    if "tests" in parts and not smoke:  # first, in its own process: nothing of ours holds GPU memory yet
         test = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               "tests/sharding/test_expert_parallel.py"], cwd=ROOT, capture_output=True, text=True)
+                               "tests/sharding/test_expert_parallel.py"], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
         result["pytest_expert_parallel"] = test.stdout[-2000:]
         log(test.stdout[-2000:])
+    shapes = tuple(s for s in ("prefill", "decode") if {"prefill": "layer", "decode": "decode"}[s] in parts)
+    result["layer"] = layer_cases(smoke, shapes, "grads" in parts)
     (OUT / "ep_h200x2.json").write_text(json.dumps(result, indent=1))
+    if "golden" in parts:
+        result["golden"] = golden_model_cases()
+        (OUT / "ep_h200x2.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
