@@ -17,6 +17,9 @@ and the golden tiny model sharded over both GPUs.
    tokens equal; bf16 on expert=2 (the Pallas EP path) against bf16 on one GPU, reported.
 3. tests/sharding/test_expert_parallel.py on both GPUs (the real `ragged_all_to_all` with two peers).
 
+XLA_FLAGS gets `sharding.expert_parallel.RAGGED_GPU_FLAG` (XLA's ragged-all-to-all decomposer), without
+which the GPU ragged exchange gives wrong gradients in jax 0.11.2 and `exchange="ragged"` refuses to run.
+
 Timing: `jax.jit`, one warm-up call, then median of 7 calls each ending in `block_until_ready`.
 """
 
@@ -153,10 +156,12 @@ def layer_gradients(args, mesh, impl, label) -> list[dict]:
     grad_one = jax.jit(jax.grad(loss_one, argnums))
     want = grad_one(*args)
     rows = [dict(shape=label, strategy="one GPU fwd+bwd", ms=median_ms(grad_one, *args))]
-    for strategy in ("all_to_all", "allgather"):
-        def loss(*a, s=strategy):
+    for strategy, exchange in (("all_to_all", "ragged"), ("all_to_all", "padded"), ("allgather", "auto")):
+        def loss(*a, s=strategy, x=exchange):
             return jnp.sum(ep_routed_experts(*a, mesh=mesh, beta=BETA, linear_beta=LINEAR_BETA, strategy=s,
-                                             implementation=impl) * ct)
+                                             exchange=x, implementation=impl) * ct)
+
+        strategy = f"{strategy} ({exchange})" if strategy == "all_to_all" else strategy
 
         fn = jax.jit(jax.grad(loss, argnums))
         placed = place(args, mesh, tokens_split=True)
@@ -167,7 +172,7 @@ def layer_gradients(args, mesh, impl, label) -> list[dict]:
         except Exception as exc:
             rows.append(dict(shape=label, strategy=f"{strategy} fwd+bwd", error=f"{type(exc).__name__}: {exc}"[:500]))
     for row in rows:
-        log(f"layer {label:8s} {row['strategy']:20s} " + (
+        log(f"layer {label:8s} {row['strategy']:29s} " + (
             f"{row['ms']:8.3f} ms" + (f"  grad rel-RMS (x, w1, w2, w3, weights) "
                                      f"{', '.join(f'{v:.1e}' for v in row['grad_errs'])}" if "grad_errs" in row else "")
             if "ms" in row else row["error"]))
@@ -214,6 +219,9 @@ def main() -> None:
                         help="comma-separated subset of: layer (prefill shape), grads, decode, golden, tests")
     args = parser.parse_args()
     smoke, parts = args.smoke, set(args.parts.split(","))
+    from sharding.expert_parallel import RAGGED_GPU_FLAG  # noqa: PLC0415 (XLA_FLAGS must be set before JAX starts)
+
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {RAGGED_GPU_FLAG}".strip()
     if smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"
         import jax

@@ -24,8 +24,13 @@ Strategies (all dropless, all differentiable w.r.t. x, w1, w2, w3 and weights):
       `ragged-all-to-all` HLO (jax 0.11.2: "UNIMPLEMENTED ... not supported by XLA:CPU ThunkEmitter"),
       so `exchange="padded"` does the same exchange with a dense `lax.all_to_all` of a buffer
       [ep, C, in] per device, C = N_loc * min(k, E/ep) — the worst case for one (source, destination)
-      pair, so nothing is ever dropped, at ep*C/(N_loc*k) times the real traffic. "auto" = padded on
-      CPU, ragged elsewhere.
+      pair, so nothing is ever dropped, at ep*C/(N_loc*k) times the real traffic. "auto" = ragged on
+      TPU, padded on CPU and GPU: on two H200s (jax 0.11.2, benchmarks/RESULTS.md) XLA's GPU
+      ragged-all-to-all took 45.5 ms for [32768, 3584] bf16 rows per device where a dense all_to_all of
+      the same rows took 0.87 ms, and its default one-shot lowering gave wrong gradients (rel. error 2.1
+      on tests/sharding/test_expert_parallel.py; a known XLA bug, fixed by its decomposer:
+      `--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true`). "ragged" on GPU therefore
+      requires that flag in XLA_FLAGS and raises without it.
   "allgather" (MaxText ring-of-experts) tokens on (token_axes..., expert). All-gather x, weights, ids
       along `expert` (before the k-fold replication: N_loc*in per peer, not N_loc*k*in), each device
       computes the pairs routed to its own experts (others masked out of the grouped GEMM), and a
@@ -65,6 +70,7 @@ replace the `routed_experts(...)` call by
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Literal
 
@@ -242,11 +248,19 @@ def _expert_side(recv_x, recv_lid, w1, w2, w3, mlp):
 # ---- entry point -----------------------------------------------------------------------------------
 
 
+RAGGED_GPU_FLAG = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
+
+
 def _resolve_exchange(exchange: Exchange) -> str:
+    backend = jax.default_backend()
     if exchange == "auto":
-        return "padded" if jax.default_backend() == "cpu" else "ragged"
+        return "ragged" if backend == "tpu" else "padded"
     if exchange not in ("ragged", "padded"):
         raise ValueError(f"exchange={exchange!r}: expected 'auto', 'ragged' or 'padded'")
+    if exchange == "ragged" and backend == "gpu" and RAGGED_GPU_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        raise ValueError(
+            f"exchange='ragged' on GPU: XLA's default ragged-all-to-all lowering (jax 0.11.2) gives wrong "
+            f"gradients; set XLA_FLAGS={RAGGED_GPU_FLAG} before JAX starts, or use exchange='padded'")
     return exchange
 
 
