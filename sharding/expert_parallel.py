@@ -24,13 +24,14 @@ Strategies (all dropless, all differentiable w.r.t. x, w1, w2, w3 and weights):
       `ragged-all-to-all` HLO (jax 0.11.2: "UNIMPLEMENTED ... not supported by XLA:CPU ThunkEmitter"),
       so `exchange="padded"` does the same exchange with a dense `lax.all_to_all` of a buffer
       [ep, C, in] per device, C = N_loc * min(k, E/ep) — the worst case for one (source, destination)
-      pair, so nothing is ever dropped, at ep*C/(N_loc*k) times the real traffic. "auto" = ragged on
-      TPU, padded on CPU and GPU: on two H200s (jax 0.11.2, benchmarks/RESULTS.md) XLA's GPU
-      ragged-all-to-all took 45.5 ms for [32768, 3584] bf16 rows per device where a dense all_to_all of
-      the same rows took 0.87 ms, and its default one-shot lowering gave wrong gradients (rel. error 2.1
-      on tests/sharding/test_expert_parallel.py; a known XLA bug, fixed by its decomposer:
-      `--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true`). "ragged" on GPU therefore
-      requires that flag in XLA_FLAGS and raises without it.
+      pair, so nothing is ever dropped, at ep*C/(N_loc*k) times the real traffic. The ragged exchange
+      carries its own VJP (`_ragged_exchange`: the reverse exchange), as autodiff through
+      `ragged_all_to_all` gave wrong gradients on two H200s. On GPU, XLA's default ragged-all-to-all
+      lowering (jax 0.11.2) took 45.5 ms for [32768, 3584] bf16 rows per device where a dense
+      all_to_all of them took 0.87 ms, and it has a known corruption bug in its one-shot path; with
+      XLA's decomposer (`RAGGED_GPU_FLAG` in XLA_FLAGS) the whole EP layer ran at the padded exchange's
+      speed (benchmarks/RESULTS.md). So "ragged" on GPU requires that flag, and "auto" = ragged on TPU
+      and on GPU with the flag, padded otherwise.
   "allgather" (MaxText ring-of-experts) tokens on (token_axes..., expert). All-gather x, weights, ids
       along `expert` (before the k-fold replication: N_loc*in per peer, not N_loc*k*in), each device
       computes the pairs routed to its own experts (others masked out of the grouped GEMM), and a
@@ -69,6 +70,7 @@ replace the `routed_experts(...)` call by
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -222,18 +224,42 @@ def _all_to_all_body(x, weights, ids, w1, w2, w3, *, expert_axis, ep, num_expert
     recv_offsets = before[:, me].astype(jnp.int32)
     recv_cap = ep * cap
     rows = x[order // k]  # [n*k, in], sorted by expert
-    ra2a = lambda op, out, in_off, sizes, out_off, rsz: jax.lax.ragged_all_to_all(  # noqa: E731
-        op, out, in_off, sizes, out_off, rsz, axis_name=expert_axis)
-    recv_x = ra2a(rows, jnp.zeros((recv_cap, x.shape[1]), x.dtype), starts, send_counts, out_offsets, recv_sizes)
-    recv_lid = ra2a(sorted_lid[:, None], jnp.full((recv_cap, 1), e_loc, jnp.int32), starts, send_counts,
-                    out_offsets, recv_sizes)[:, 0]
-    out = _expert_side(recv_x, recv_lid, w1, w2, w3, mlp)  # [recv_cap, out], receive order
     # back: I send shard s its rows (at recv_offsets[s]); they land at its starts[me] = sum_{d < me} counts[s, d]
     home_offsets = (jnp.cumsum(counts, axis=1) - counts)[:, me].astype(jnp.int32)
-    back = ra2a(out, jnp.zeros((n * k, out.shape[-1]), out.dtype), recv_offsets, recv_sizes, home_offsets,
-                send_counts)  # [n*k, out] in sorted-pair order
+    there = (starts, send_counts, out_offsets, recv_sizes)
+    home = (recv_offsets, recv_sizes, home_offsets, send_counts)
+    recv_x = _ragged_exchange(rows, there, home, recv_cap, expert_axis)
+    recv_lid = jax.lax.ragged_all_to_all(sorted_lid[:, None], jnp.full((recv_cap, 1), e_loc, jnp.int32), *there,
+                                         axis_name=expert_axis)[:, 0]
+    out = _expert_side(recv_x, recv_lid, w1, w2, w3, mlp)  # [recv_cap, out], receive order
+    back = _ragged_exchange(out, home, there, n * k, expert_axis)  # [n*k, out] in sorted-pair order
     pair_w = jnp.where(sorted_ids < num_experts, weights.reshape(-1)[order], 0.0)
     return jnp.zeros((n, back.shape[-1]), F32).at[order // k].add(back.astype(F32) * pair_w[:, None])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ragged_exchange(rows, params, reverse, out_rows, axis_name):
+    """`ragged_all_to_all` of rows into a zero buffer of out_rows rows; params = (input offsets, send
+    sizes, output offsets, receive sizes), reverse = the same for the way back.
+
+    Its gradient is the exchange the other way (the rows a device received go back where they came
+    from), written out here with the offsets the forward already has, instead of JAX's transpose rule:
+    on two H200s (jax 0.11.2) autodiff of the ragged exchange gave wrong x and weight gradients (rel.
+    error 1-2, with and without XLA's decomposer; benchmarks/RESULTS.md) while the forward was exact."""
+    return jax.lax.ragged_all_to_all(rows, jnp.zeros((out_rows, *rows.shape[1:]), rows.dtype), *params,
+                                     axis_name=axis_name)
+
+
+def _ragged_exchange_fwd(rows, params, reverse, out_rows, axis_name):
+    return _ragged_exchange(rows, params, reverse, out_rows, axis_name), (rows.shape[0], reverse)
+
+
+def _ragged_exchange_bwd(out_rows, axis_name, res, ct):
+    in_rows, reverse = res
+    return _ragged_exchange(ct, reverse, None, in_rows, axis_name), None, None
+
+
+_ragged_exchange.defvjp(_ragged_exchange_fwd, _ragged_exchange_bwd)
 
 
 def _expert_side(recv_x, recv_lid, w1, w2, w3, mlp):
@@ -253,14 +279,16 @@ RAGGED_GPU_FLAG = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=tru
 
 def _resolve_exchange(exchange: Exchange) -> str:
     backend = jax.default_backend()
+    decomposed = RAGGED_GPU_FLAG in os.environ.get("XLA_FLAGS", "")
     if exchange == "auto":
-        return "ragged" if backend == "tpu" else "padded"
+        return "ragged" if backend == "tpu" or (backend == "gpu" and decomposed) else "padded"
     if exchange not in ("ragged", "padded"):
         raise ValueError(f"exchange={exchange!r}: expected 'auto', 'ragged' or 'padded'")
-    if exchange == "ragged" and backend == "gpu" and RAGGED_GPU_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    if exchange == "ragged" and backend == "gpu" and not decomposed:
         raise ValueError(
-            f"exchange='ragged' on GPU: XLA's default ragged-all-to-all lowering (jax 0.11.2) gives wrong "
-            f"gradients; set XLA_FLAGS={RAGGED_GPU_FLAG} before JAX starts, or use exchange='padded'")
+            f"exchange='ragged' on GPU: XLA's default ragged-all-to-all lowering (jax 0.11.2) is ~50x slower "
+            f"than its decomposer and has a known corruption bug; set XLA_FLAGS={RAGGED_GPU_FLAG} before "
+            f"JAX starts, or use exchange='padded'")
     return exchange
 
 
