@@ -246,8 +246,8 @@ def _ragged_exchange(rows, params, reverse, out_rows, axis_name):
     from), written out here with the offsets the forward already has, instead of JAX's transpose rule:
     on two H200s (jax 0.11.2) autodiff of the ragged exchange gave wrong x and weight gradients (rel.
     error 1-2, with and without XLA's decomposer; benchmarks/RESULTS.md) while the forward was exact."""
-    return jax.lax.ragged_all_to_all(rows, jnp.zeros((out_rows, *rows.shape[1:]), rows.dtype), *params,
-                                     axis_name=axis_name)
+    buffer = jnp.zeros_like(rows, shape=(out_rows, *rows.shape[1:]))  # varies over rows' mesh axes, as rows
+    return jax.lax.ragged_all_to_all(rows, buffer, *params, axis_name=axis_name)
 
 
 def _ragged_exchange_fwd(rows, params, reverse, out_rows, axis_name):

@@ -214,3 +214,14 @@ def test_ragged_exchange_on_gpu_demands_the_decomposer_flag(monkeypatch):
     with pytest.raises(ValueError, match="xla_gpu_unsupported_enable_ragged_all_to_all_decomposer"):
         ep_routed_experts(*problem(8, "random"), mesh=mesh, beta=BETA, linear_beta=LINEAR_BETA,
                           strategy="all_to_all", exchange="ragged", implementation="xla")
+
+
+@needs8
+def test_ragged_exchange_gradient_lowers_with_the_real_collective():
+    """The gradient program with the real `ragged_all_to_all` traces and lowers on CPU (only XLA:CPU's
+    compiler lacks the op): the exchange's VJP gives cotangents of the primal's manual-axis type."""
+    mesh = make_mesh("expert=8")
+    loss = lambda *a: jnp.sum(ep_routed_experts(  # noqa: E731
+        *a, mesh=mesh, beta=BETA, linear_beta=LINEAR_BETA, strategy="all_to_all", exchange="ragged"))
+    text = jax.jit(jax.grad(loss, (0, 1, 2, 3, 4))).trace(*problem(37, "random")).lower().as_text()
+    assert text.count("ragged_all_to_all") >= 4  # two exchanges forward, their two reverses backward
