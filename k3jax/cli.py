@@ -33,12 +33,9 @@ def _run_generation(args: argparse.Namespace) -> int:
     import jax
 
     import k3jax
-    from k3jax.tokenizer import load_tokenizer
-
-    if args.dtype == "float32":
-        jax.config.update("jax_default_matmul_precision", "highest")
     from k3jax.checkpoint import CheckpointError
     from k3jax.config import ConfigError
+    from k3jax.tokenizer import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(args.model)

@@ -81,7 +81,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.moe.reference import situ
+from pallas_kernels.moe.reference import exact_if_fp32, situ
 
 F32 = jnp.float32
 Strategy = Literal["auto", "all_to_all", "allgather", "decode"]
@@ -145,7 +145,8 @@ def _grouped_mlp(rows, group_sizes, w1, w2, w3, *, beta, linear_beta, f_axis, im
         return (out if f_axis is None else jax.lax.psum(out.astype(F32), f_axis)).astype(dtype)
 
     def grouped(lhs, rhs):
-        return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DIMS, preferred_element_type=F32)
+        return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DIMS, preferred_element_type=F32,
+                                          precision=exact_if_fp32(lhs.dtype))
 
     hidden = situ(grouped(rows, w1).astype(dtype), grouped(rows, w3).astype(dtype), beta, linear_beta)
     out = grouped(hidden, w2)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MLA_LOW_RANK_NORM_EPS, K3Config
-from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm
+from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm, precision_for
 
 
 QUERY_CHUNK = 1024  # prefill query rows attended at once (bounds the [heads, rows, keys] fp32 scores)
@@ -104,10 +104,12 @@ class GatedMLA(nnx.Module):
         k = jnp.concatenate([k_nope, k_pe], axis=-1)
 
         def attend(q_rows: jax.Array, rows_pos: jax.Array) -> jax.Array:
-            scores = jnp.einsum("bthd,bshd->bhts", q_rows, k, preferred_element_type=F32) * self.scale
+            scores = jnp.einsum("bthd,bshd->bhts", q_rows, k, preferred_element_type=F32,
+                                precision=precision_for(q.dtype)) * self.scale
             mask = _attention_mask(rows_pos, key_pos, start)
             probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(q.dtype)
-            return jnp.einsum("bhts,bshd->bthd", probs, v, preferred_element_type=F32).astype(q.dtype)
+            return jnp.einsum("bhts,bshd->bthd", probs, v, preferred_element_type=F32,
+                              precision=precision_for(q.dtype)).astype(q.dtype)
 
         seq, chunk = q.shape[1], self.query_chunk
         if seq <= chunk:

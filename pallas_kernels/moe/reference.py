@@ -6,6 +6,7 @@ E_e(x) = w2_e @ SiTU(w1_e @ x, w3_e @ x). Expert weights keep the release layout
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -56,6 +57,11 @@ def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float | None)
     return (beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g) * capped_up).astype(gate.dtype)
 
 
+def exact_if_fp32(dtype) -> jax.lax.Precision | None:
+    """HIGHEST for fp32 operands (GPUs otherwise run fp32 dots as TF32, ~1e-3 relative), else default."""
+    return jax.lax.Precision.HIGHEST if dtype == F32 else None
+
+
 def sort_by_expert(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Group the N*k (token, expert) pairs by expert: (pair order, token of each sorted pair, group sizes)."""
     flat_ids = ids.reshape(-1)
@@ -73,10 +79,11 @@ def experts_all_dense(
     x [N, in]; w1, w3 [E, F, in]; w2 [E, in_out, F]; weights [N, k] fp32; ids [N, k] -> [N, out] fp32.
     """
     dtype = x.dtype
-    gate = jnp.einsum("ni,efi->nef", x, w1, preferred_element_type=F32).astype(dtype)
-    up = jnp.einsum("ni,efi->nef", x, w3, preferred_element_type=F32).astype(dtype)
+    mm = functools.partial(jnp.einsum, preferred_element_type=F32, precision=exact_if_fp32(dtype))
+    gate = mm("ni,efi->nef", x, w1).astype(dtype)
+    up = mm("ni,efi->nef", x, w3).astype(dtype)
     hidden = situ(gate, up, beta, linear_beta)
-    outs = jnp.einsum("nef,eof->neo", hidden, w2, preferred_element_type=F32).astype(dtype)  # [N, E, out]
+    outs = mm("nef,eof->neo", hidden, w2).astype(dtype)  # [N, E, out]
     dense_weights = jnp.zeros(outs.shape[:2], F32).at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
     return jnp.einsum("ne,neo->no", dense_weights, outs.astype(F32), precision=jax.lax.Precision.HIGHEST)
 
@@ -93,7 +100,8 @@ def experts_ragged_dot(
     rows = x[token_of]  # [N*k, in], grouped by expert
 
     def grouped(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-        out = jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DIMS, preferred_element_type=F32)
+        out = jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DIMS, preferred_element_type=F32,
+                                         precision=exact_if_fp32(x.dtype))
         return out.astype(x.dtype)
 
     if gate_up is None:
