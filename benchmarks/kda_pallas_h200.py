@@ -31,11 +31,16 @@ CHECK = (1, 2048, 8)  # numerics case shared by both halves
 LB = -5.0
 D = 128
 CMP = "/tmp/kda_cmp.npz"
-# (block_v, num_warps, num_stages, intra kernel); warps and stages apply to every kernel of the
-# call. The first two are the defaults (`default_tiles`) for many / few sequence-heads; the rest
-# were the next best in the 2026-11-29 sweeps (benchmarks/RESULTS.md).
+# (block_v, num_warps, num_stages, intra kernel, intra_warps); warps and stages apply to every kernel
+# of the call, intra_warps (None: num_warps) to the intra stage's. The first two are the defaults
+# (`default_tiles`) for many / few sequence-heads; then the next best of the 2026-11-29 sweeps
+# (benchmarks/RESULTS.md); then 16-warp intra stages (25% occupancy; the offline ptxas report's
+# fewest spills at 128 registers: "stream" 196/248 B, v1 780/1012 B), not yet timed.
 CONFIGS = [
-    (128, 8, 1, "v1"), (64, 8, 1, "split"), (128, 8, 1, "split"), (64, 4, 1, "split"),
+    (128, 8, 1, "v1", None), (64, 8, 1, "split", None), (128, 8, 1, "split", None),
+    (64, 4, 1, "split", None),
+    (128, 8, 1, "stream", 16), (128, 8, 1, "v1", 16), (128, 8, 1, "stream", None),
+    (64, 8, 1, "split", 16), (64, 8, 1, "stream", 16),
 ]
 # KDA_SKIP_XLA=1 skips the slow unfused / XLA-reference columns (already recorded).
 SKIP_XLA = os.environ.get("KDA_SKIP_XLA") == "1"
@@ -136,6 +141,18 @@ def run_jax():
         num["ours_fp32_vs_ref_o"] = rel(o32, ref_o)
         num["ours_fp32_vs_ref_ht"] = rel(h32, ref_h)
         num["ours_fp32_nan"] = bool(jnp.isnan(o32).any())
+        # "stream" is v1 reordered: on the GPU too its outputs should equal v1's (or differ only
+        # where the compiler contracts the reordered code differently)
+        for iw in (None, 16):
+            o_s, h_s = pallas_chunk_kda_fused_gate(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"],
+                                                   j["A_log"], j["dt_bias"], lower_bound=LB,
+                                                   initial_state=j["h0"], block_v=128,
+                                                   intra="stream", intra_warps=iw)
+            o_1, h_1 = pallas_chunk_kda_fused_gate(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"],
+                                                   j["A_log"], j["dt_bias"], lower_bound=LB,
+                                                   initial_state=j["h0"], block_v=128, intra="v1")
+            num[f"stream_iw{iw}_vs_v1_o"] = rel(o_s.astype(jnp.float32), o_1.astype(jnp.float32))
+            num[f"stream_iw{iw}_vs_v1_ht"] = rel(h_s, h_1)
         if "fla_o" in x:
             num["fla_vs_ref_o"] = rel(x["fla_o"], ref_o)
             num["fla_vs_ref_ht"] = rel(x["fla_ht"], ref_h)
@@ -169,13 +186,13 @@ def run_jax():
         args = (q, k, v, g, beta, A_log, dt_bias)
         name = f"B{B}_T{T}_H{H}"
         r = {}
-        for bv, nw, ns, intra in CONFIGS:
-            tag = f"ours_fused_bv{bv}_w{nw}_s{ns}_{intra}"
+        for bv, nw, ns, intra, iw in CONFIGS:
+            tag = f"ours_fused_bv{bv}_w{nw}_s{ns}_{intra}" + (f"_iw{iw}" if iw else "")
             try:
-                f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, it=intra:
+                f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, it=intra, iw=iw:
                             pallas_chunk_kda_fused_gate(q, k, v, g, b, a, d, lower_bound=LB,
                                                         block_v=bv, num_warps=nw, num_stages=ns,
-                                                        intra=it))
+                                                        intra=it, intra_warps=iw))
                 ms, ts = bench(f, args)
                 r[f"{tag}_ms"] = round(ms, 4)
             except Exception as e:

@@ -214,6 +214,7 @@ def _moe_down() -> tuple[Callable, tuple]:
 CASES: dict[str, Callable[[int | None], tuple[Callable, tuple]]] = {
     "kda_fwd_v1": lambda warps: _kda_fwd("v1", 128, warps),
     "kda_fwd_split": lambda warps: _kda_fwd("split", 64, warps),
+    "kda_fwd_stream": lambda warps: _kda_fwd("stream", 128, warps),
     "kda_bwd": lambda _warps: _kda_bwd(),
     "moe_gate_up": lambda _warps: _moe_gate_up(),
     "moe_down": lambda _warps: _moe_down(),
@@ -225,7 +226,7 @@ def main() -> None:
     parser.add_argument("cases", nargs="*", metavar="case",
                         help=f"any of {', '.join(CASES)} (default: all)")
     parser.add_argument("--warps", type=int, help="num_warps for the cases whose public function "
-                        "takes it (kda_fwd_v1, kda_fwd_split); the others keep their own")
+                        "takes it (kda_fwd_v1, kda_fwd_split, kda_fwd_stream); the others keep their own")
     opts = parser.parse_args()
     unknown = sorted(set(opts.cases) - set(CASES))
     if unknown:

@@ -55,7 +55,9 @@ other job); bf16 error vs the
 fp32 reference equal to fla's. Defaults: ``num_warps=8, num_stages=1`` and ``default_tiles``
 (block_v and intra variant by the number of sequence-heads), the fastest measured.
 ``intra="split"`` runs the intra stage as two kernels (``_intra_solve_kernel``,
-``_intra_wu_kernel``) with a smaller register set per kernel.
+``_intra_wu_kernel``) with a smaller register set per kernel; ``intra="stream"``
+(``_intra_stream_kernel``) is v1 reordered to a smaller live set, meant for ``intra_warps=16``
+(25% occupancy instead of 12.5%; not yet timed).
 
 Requires the safe gate: a step with ``g < -5`` (more precisely, > 35-40 nats of decay inside a
 16-token sub-chunk) can overflow the midpoint factorisation; use the XLA reference otherwise.
@@ -83,7 +85,7 @@ except ImportError:  # pragma: no cover
 
 _F32 = jnp.float32
 LOWER_BOUND_MIN = -5.0
-INTRA_VARIANTS = ("v1", "split")
+INTRA_VARIANTS = ("v1", "split", "stream")
 
 
 def compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
@@ -207,6 +209,96 @@ def _intra_kernel(
             blk = Aqk[i, j] if j <= i else zeros
             a_ref[b, ts, h, pl.ds(j * BC, BC)] = blk.astype(a_ref.dtype)
     gl_ref[b, c, h, :] = jnp.exp(G_last)
+
+
+def _intra_stream_kernel(
+    q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, lower_bound,
+):
+    """``intra="stream"``: v1's outputs, bit for bit, from a smaller live set.
+
+    A first pass over the gates gives ``G_last`` (the same cumsum chain as the main pass, so the
+    same bits), which lets each sub-chunk's Qg, Kd and Aqk row block be stored as soon as the
+    sub-chunk is loaded; only k and G of the earlier sub-chunks stay live (the column factors),
+    ``beta k e^G`` is kept in the matmul dtype (its only use), and v is read inside the W/U
+    products. Costs a second evaluation of the gate activation. Offline (ptxas for sm_90,
+    benchmarks/RESULTS.md) it spills 196 / 248 B per thread at 16 warps where v1 spills
+    780 / 1012; not yet timed on a GPU.
+    """
+    if fused:
+        gs_ref, db_ref, w_ref, u_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
+    else:
+        w_ref, u_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    K = q_ref.shape[-1]
+    t0 = c * C
+    sd = qg_ref.dtype
+    rows = lax.broadcasted_iota(jnp.int32, (BC, K), 0)
+    ri = lax.broadcasted_iota(jnp.int32, (BC, BC), 0)
+    ci = lax.broadcasted_iota(jnp.int32, (BC, BC), 1)
+    eye = (ri == ci).astype(_F32)
+    zeros = jnp.zeros((BC, BC), a_ref.dtype)
+    if fused:
+        gate_scale = gs_ref[h, :].astype(_F32)[None, :]
+        dt_bias = db_ref[h, :].astype(_F32)[None, :]
+
+    def cumulative_gate(i, carry):
+        g = g_ref[b, pl.ds(t0 + i * BC, BC), h, :].astype(_F32)
+        if fused:
+            g = lower_bound * jax.nn.sigmoid(gate_scale * (g + dt_bias))
+        G = jnp.cumsum(g, axis=0) + carry[None, :]
+        return G, jnp.sum(jnp.where(rows == BC - 1, G, 0.0), axis=0)
+
+    def l2(x):
+        x = x.astype(_F32)
+        return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6) if fused else x
+
+    G_last = jnp.zeros((K,), _F32)
+    for i in range(NC):
+        _, G_last = cumulative_gate(i, G_last)
+    gl_ref[b, c, h, :] = jnp.exp(G_last)
+
+    ks, Gs, bks, betas, L = [], [], [], [], {}
+    carry = jnp.zeros((K,), _F32)
+    for i in range(NC):
+        ts = pl.ds(t0 + i * BC, BC)
+        k = l2(k_ref[b, ts, h, :])
+        G, carry = cumulative_gate(i, carry)
+        beta = b_ref[b, ts, h].astype(_F32)
+        beta = jax.nn.sigmoid(beta) if fused else beta
+        qs = l2(q_ref[b, ts, h, :]) * scale
+        qg_ref[b, ts, h, :] = (qs * jnp.exp(G)).astype(sd)
+        kd_ref[b, ts, h, :] = (k * jnp.exp(G_last[None, :] - G)).astype(sd)
+        bks.append((beta[:, None] * k * jnp.exp(G)).astype(mm_dtype))
+        betas.append(beta)
+        ks.append(k)
+        Gs.append(G)
+        G_m = jnp.sum(jnp.where(rows == MID, G, 0.0), axis=0)[None, :]
+        row_fac = jnp.exp(G - G_m)
+        kl = k * row_fac
+        ql = qs * row_fac
+        for j in range(NC):
+            if j > i:
+                a_ref[b, ts, h, pl.ds(j * BC, BC)] = zeros
+                continue
+            kr = ks[j] * jnp.exp(jnp.minimum(G_m - Gs[j], _CLAMP))
+            lk = _dot(kl, kr, mm_dtype, trans_b=True) * beta[:, None]
+            aq = _dot(ql, kr, mm_dtype, trans_b=True)
+            if i == j:
+                lk = jnp.where(ri > ci, lk, 0.0)
+                aq = jnp.where(ri >= ci, aq, 0.0)
+            L[i, j] = lk
+            a_ref[b, ts, h, pl.ds(j * BC, BC)] = aq.astype(a_ref.dtype)
+
+    X = _unit_lower_inverse(L, eye)
+    for i in range(NC):
+        w = u = None
+        for j in range(i + 1):
+            bv = betas[j][:, None] * v_ref[b, pl.ds(t0 + j * BC, BC), h, :].astype(_F32)
+            dw, du = _dot(X[i, j], bks[j], mm_dtype), _dot(X[i, j], bv, mm_dtype)
+            w, u = (dw, du) if w is None else (w + dw, u + du)
+        ts = pl.ds(t0 + i * BC, BC)
+        w_ref[b, ts, h, :] = w.astype(sd)
+        u_ref[b, ts, h, :] = u.astype(u_ref.dtype)
 
 
 def _intra_solve_kernel(
@@ -379,12 +471,12 @@ def intra_split(ins, *, scale, fused, lower_bound, interpret, params):
     jax.jit,
     static_argnames=(
         "scale", "interpret", "fused", "lower_bound", "block_v", "num_warps", "num_stages",
-        "intra",
+        "intra", "intra_warps",
     ),
 )
 def _pallas_chunk_kda(
     q, k, v, g, beta, initial_state, gate_scale, dt_bias, chunk_offsets=None, *, scale,
-    interpret, fused, lower_bound, block_v, num_warps, num_stages, intra,
+    interpret, fused, lower_bound, block_v, num_warps, num_stages, intra, intra_warps,
 ):
     """``chunk_offsets`` (int32 [N + 1], traced) marks a chunk-aligned packed batch (B == 1)."""
     B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
@@ -393,15 +485,17 @@ def _pallas_chunk_kda(
     mm_dtype, sd = matmul_dtypes(v)
     bv = min(block_v, V)
     params = compiler_params(interpret, num_warps, num_stages)
+    intra_params = compiler_params(interpret, intra_warps, num_stages)
 
     ins = (q, k, v, g, beta) + ((gate_scale, dt_bias) if fused else ())
     if intra == "split":
         _, w, u, qg, kd, aqk, gl = intra_split(ins, scale=scale, fused=fused,
                                                lower_bound=lower_bound, interpret=interpret,
-                                               params=params)
+                                               params=intra_params)
     else:
         intra_fn = functools.partial(
-            _intra_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused, lower_bound=lower_bound
+            _intra_stream_kernel if intra == "stream" else _intra_kernel, scale=scale,
+            mm_dtype=mm_dtype, fused=fused, lower_bound=lower_bound,
         )
         w, u, qg, kd, aqk, gl = pl.pallas_call(
             intra_fn,
@@ -415,8 +509,8 @@ def _pallas_chunk_kda(
                 jax.ShapeDtypeStruct((B, n, H, K), _F32),
             ),
             interpret=interpret,
-            name="kda_intra_safe_gate",
-            **params,
+            name="kda_intra_stream" if intra == "stream" else "kda_intra_safe_gate",
+            **intra_params,
         )(*ins)
 
     varlen = chunk_offsets is not None
@@ -475,6 +569,7 @@ def pallas_chunk_kda(
     num_warps: int = 8,
     num_stages: int = 1,
     intra: str | None = None,
+    intra_warps: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked KDA forward (safe gate, pre-activated inputs; fla conventions).
 
@@ -483,9 +578,11 @@ def pallas_chunk_kda(
     final state fp32 [B, H, K, V])``. ``interpret`` defaults to True off GPU.
     ``cu_seqlens``: host int offsets [N + 1] of packed sequences (B == 1); then initial_state
     and the final state are [N, H, K, V] and no state crosses a sequence boundary.
+    ``intra``: "v1" | "split" | "stream" (same outputs; default by ``default_tiles``);
+    ``intra_warps``: num_warps of the intra-stage kernel(s) (default ``num_warps``).
     """
     return _call(q, k, v, g, beta, None, None, scale, initial_state, interpret, False, 0.0,
-                 block_v, num_warps, num_stages, intra, cu_seqlens)
+                 block_v, num_warps, num_stages, intra, intra_warps, cu_seqlens)
 
 
 def pallas_chunk_kda_fused_gate(
@@ -506,6 +603,7 @@ def pallas_chunk_kda_fused_gate(
     num_warps: int = 8,
     num_stages: int = 1,
     intra: str | None = None,
+    intra_warps: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """As ``pallas_chunk_kda`` with K3's input activations fused into the intra kernel.
 
@@ -522,11 +620,12 @@ def pallas_chunk_kda_fused_gate(
     gate_scale = jnp.broadcast_to(jnp.exp(A_log.reshape(-1)[:H].astype(_F32))[:, None], (H, K))
     dt = dt_bias.astype(_F32).reshape(H, K)
     return _call(q, k, v, g_raw, beta_logits, gate_scale, dt, scale, initial_state, interpret,
-                 True, float(lower_bound), block_v, num_warps, num_stages, intra, cu_seqlens)
+                 True, float(lower_bound), block_v, num_warps, num_stages, intra, intra_warps,
+                 cu_seqlens)
 
 
 def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret, fused,
-          lower_bound, block_v, num_warps, num_stages, intra, cu_seqlens):
+          lower_bound, block_v, num_warps, num_stages, intra, intra_warps, cu_seqlens):
     B, T, H, K = q.shape
     V = v.shape[-1]
     if interpret is None:
@@ -553,7 +652,7 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
     kw = dict(
         scale=scale, interpret=bool(interpret), fused=fused, lower_bound=lower_bound,
         block_v=block_v if V % block_v == 0 else V, num_warps=num_warps, num_stages=num_stages,
-        intra=intra,
+        intra=intra, intra_warps=num_warps if intra_warps is None else intra_warps,
     )
     if cu_seqlens is not None:
         return _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens,

@@ -122,7 +122,7 @@ def test_validation() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-@pytest.mark.parametrize(("intra", "kernels"), [("v1", 2), ("split", 3)])
+@pytest.mark.parametrize(("intra", "kernels"), [("v1", 2), ("split", 3), ("stream", 2)])
 def test_lowers_to_triton_for_h200(intra: str, kernels: int) -> None:
     """Cross-lowering for an abstract H200 on CPU: every kernel, incl. the inter kernel's
     data-dependent chunk range, passes the Pallas -> Triton IR step (no PTX compile)."""
