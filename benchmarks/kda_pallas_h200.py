@@ -35,7 +35,7 @@ CMP = "/tmp/kda_cmp.npz"
 # of the call, intra_warps (None: num_warps) to the intra stage's. The first two are the defaults
 # (`default_tiles`) for many / few sequence-heads; then the next best of the 2026-11-29 sweeps
 # (benchmarks/RESULTS.md); then 16-warp intra stages (25% occupancy; the offline ptxas report's
-# fewest spills at 128 registers: "stream" 196/248 B, v1 780/1012 B), not yet timed.
+# fewest spills at 128 registers: "stream" 216/244 B, v1 780/1012 B), not yet timed.
 CONFIGS = [
     (128, 8, 1, "v1", None), (64, 8, 1, "split", None), (128, 8, 1, "split", None),
     (64, 4, 1, "split", None),
