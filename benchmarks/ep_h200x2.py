@@ -114,7 +114,7 @@ def layer_cases(smoke: bool, shapes: tuple[str, ...], grads: bool) -> list[dict]
         one_gpu = jax.jit(lambda *a: routed_experts(*a, beta=BETA, linear_beta=LINEAR_BETA, implementation=impl))
         want = one_gpu(*args)
         flops = 2 * n * k * d * f * 3  # useful GEMM flops: gate, up, down
-        rows.append(dict(shape=label, n=n, strategy="one GPU", ms=median_ms(one_gpu, *args), err=0.0))
+        shape_rows = [dict(shape=label, n=n, strategy="one GPU", ms=median_ms(one_gpu, *args), err=0.0)]
         # the padded exchange is the CPU fallback; timed here too, against XLA's ragged-all-to-all
         strategies = [("all_to_all", "ragged"), ("all_to_all", "padded"), ("allgather", "auto"), ("decode", "auto")]
         for strategy, exchange in strategies:
@@ -128,13 +128,14 @@ def layer_cases(smoke: bool, shapes: tuple[str, ...], grads: bool) -> list[dict]
                 row["ms"] = median_ms(fn, *placed)
             except Exception as exc:  # recorded, the other cases still run
                 row = dict(shape=label, n=n, strategy=strategy, error=f"{type(exc).__name__}: {exc}"[:500])
-            rows.append(row)
-        for row in rows[-5:]:
+            shape_rows.append(row)
+        for row in shape_rows:
             if "ms" in row:
                 row["tflops"] = flops / row["ms"] * 1e-9
             log(f"layer {label:8s} N={n:5d} {row['strategy']:21s} " + (
                 f"{row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s  rel-RMS vs one GPU {row['err']:.2e}"
                 if "ms" in row else row["error"]))
+        rows += shape_rows
         if label == "prefill" and grads:
             rows += layer_gradients(args, mesh, impl, label)
     return rows
