@@ -8,7 +8,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe.reference import MXFP4Experts, decode_experts, experts_all_dense, experts_ragged_dot
+from pallas_kernels.moe.reference import (
+    MXFP4Experts, decode_experts, exact_if_fp32, experts_all_dense, experts_ragged_dot,
+)
 
 Implementation = Literal["auto", "xla", "dense", "pallas"]
 
@@ -44,12 +46,18 @@ def routed_experts(
     if implementation == "dense":
         return experts_all_dense(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
     if implementation == "pallas" and jax.default_backend() == "tpu":
-        # Mosaic-TPU fused gate+up+SiTU (tested in TPU interpret mode, not yet on hardware, so "auto"
-        # does not pick it); the down projection stays a lax.ragged_dot.
-        from pallas_kernels.moe.pallas_mosaic_tpu import tpu_grouped_gate_up_situ  # noqa: PLC0415
+        # Mosaic-TPU fused gate+up+SiTU and grouped down GEMM (tested in TPU interpret mode, not yet on
+        # hardware, so "auto" does not pick them); forward only: no custom VJP on TPU yet.
+        from pallas_kernels.moe.pallas_mosaic_tpu import (  # noqa: PLC0415
+            tpu_grouped_gate_up_situ, tpu_grouped_matmul,
+        )
 
-        gate_up = functools.partial(tpu_grouped_gate_up_situ, beta=beta, linear_beta=linear_beta)
-        return experts_ragged_dot(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta, gate_up=gate_up)
+        precision = exact_if_fp32(x.dtype)
+        gate_up = functools.partial(tpu_grouped_gate_up_situ, beta=beta, linear_beta=linear_beta,
+                                    precision=precision)
+        down = functools.partial(tpu_grouped_matmul, precision=precision)
+        return experts_ragged_dot(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta,
+                                  gate_up=gate_up, down=down)
     if implementation == "pallas":
         # imported here so that the default paths never import Pallas
         from pallas_kernels.moe.pallas_experts import experts_pallas  # noqa: PLC0415

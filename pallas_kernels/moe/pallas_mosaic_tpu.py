@@ -1,9 +1,11 @@
-"""Grouped gate+up GEMM with a fused SiTU epilogue as a Mosaic TPU Pallas kernel.
+"""The routed experts' grouped GEMMs as Mosaic TPU Pallas kernels: gate+up with a fused SiTU epilogue,
+and the plain grouped matmul of the down projection.
 
 Rows of ``x`` [M, in] are sorted by expert (``group_sizes`` [E], as for ``lax.ragged_dot``); weights are
-``w1, w3`` [E, F, in] (release layout [E, out, in]). Output ``hidden`` [M, F] with, for each row m of
-expert e, ``hidden[m] = SiTU(w1[e] @ x[m], w3[e] @ x[m])`` where
-``SiTU(g, u) = beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)`` in fp32.
+[E, out, in] (the release layout). ``tpu_grouped_gate_up_situ``: ``hidden [M, F]`` with, for each row m
+of expert e, ``hidden[m] = SiTU(w1[e] @ x[m], w3[e] @ x[m])`` where
+``SiTU(g, u) = beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)`` in fp32;
+``tpu_grouped_matmul``: ``y[m] = w[e] @ x[m]`` (fp32 accumulation). One kernel body serves both.
 
 Tile schedule (megablox-style, computed in plain JAX and scalar-prefetched into SMEM): rows are cut into
 tiles of ``block_m``; a tile that straddles expert boundaries is visited once per expert it holds
@@ -12,7 +14,8 @@ expert's rows. Rows past ``sum(group_sizes)`` form a virtual expert E whose item
 store zeros. The item count is data dependent; the grid uses its static bound ``M/bm + E`` and the
 trailing items are idle (same block indices as the last real item: no DMA, no write).
 
-Grid: (F tiles [parallel], items [arbitrary], K tiles [arbitrary]); two fp32 VMEM accumulators.
+Grid: (output-column tiles [parallel], items [arbitrary], K tiles [arbitrary]); one fp32 VMEM accumulator
+per weight (two for gate+up).
 """
 
 from __future__ import annotations
@@ -65,31 +68,38 @@ def make_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> TileSc
                         flags.astype(I32))
 
 
-def _kernel(tile_ref, exp_ref, lo_ref, hi_ref, flags_ref, x_ref, w1_ref, w3_ref, o_ref, acc_g, acc_u, *,
-            block_m: int, num_k: int, beta: float, linear_beta: float | None, precision):
+def _kernel(tile_ref, exp_ref, lo_ref, hi_ref, flags_ref, x_ref, *refs, block_m: int, num_k: int, fused: bool,
+            beta: float | None, linear_beta: float | None, precision):
+    """``refs``: the weight block(s) (w1, w3 when ``fused``, else w), the output block, then one fp32
+    accumulator per weight."""
     del exp_ref
+    n_w = 2 if fused else 1
+    w_refs, o_ref, accs = refs[:n_w], refs[n_w], refs[n_w + 1:]
     i, kk = pl.program_id(1), pl.program_id(2)
     flags = flags_ref[i]
 
     @pl.when(kk == 0)
     def _init():
-        acc_g[...] = jnp.zeros_like(acc_g)
-        acc_u[...] = jnp.zeros_like(acc_u)
+        for acc in accs:
+            acc[...] = jnp.zeros_like(acc)
 
     @pl.when((flags & _COMPUTE) != 0)
     def _gemm():
         x = x_ref[...]
         dims = (((1,), (1,)), ((), ()))
-        acc_g[...] += jax.lax.dot_general(x, w1_ref[...], dims, precision=precision, preferred_element_type=F32)
-        acc_u[...] += jax.lax.dot_general(x, w3_ref[...], dims, precision=precision, preferred_element_type=F32)
+        for acc, w_ref in zip(accs, w_refs):
+            acc[...] += jax.lax.dot_general(x, w_ref[...], dims, precision=precision, preferred_element_type=F32)
 
     last = (kk == num_k - 1) & ((flags & _ACTIVE) != 0)
 
     def _epilogue():
-        g, u = acc_g[...], acc_u[...]
-        gate = beta * jnp.tanh(g * (1.0 / beta)) * (1.0 / (1.0 + jnp.exp(-g)))
-        up = u if linear_beta is None else linear_beta * jnp.tanh(u * (1.0 / linear_beta))
-        h = (gate * up).astype(o_ref.dtype)
+        if fused:
+            g, u = accs[0][...], accs[1][...]
+            gate = beta * jnp.tanh(g * (1.0 / beta)) * (1.0 / (1.0 + jnp.exp(-g)))
+            up = u if linear_beta is None else linear_beta * jnp.tanh(u * (1.0 / linear_beta))
+            h = (gate * up).astype(o_ref.dtype)
+        else:
+            h = accs[0][...].astype(o_ref.dtype)
         rows = tile_ref[i] * block_m + jax.lax.broadcasted_iota(I32, h.shape, 0)
         mask = (rows >= lo_ref[i]) & (rows < hi_ref[i])
         return h, mask
@@ -116,10 +126,11 @@ def _pick(n: int, pref: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "beta", "linear_beta",
                                              "out_dtype", "interpret", "precision"))
-def _call(x, w1, w3, group_sizes, *, block_m, block_n, block_k, beta, linear_beta, out_dtype, interpret,
+def _call(x, ws, group_sizes, *, block_m, block_n, block_k, beta, linear_beta, out_dtype, interpret,
           precision):
+    """``ws``: (w1, w3) for gate+up+SiTU, (w,) for the plain grouped matmul."""
     m0, kdim = x.shape
-    E, F, _ = w1.shape
+    E, F, _ = ws[0].shape
     bm, bn, bk = block_m, block_n, block_k
     m = pl.cdiv(max(m0, 1), bm) * bm
     if m != m0:
@@ -143,24 +154,41 @@ def _call(x, w1, w3, group_sizes, *, block_m, block_n, block_k, beta, linear_bet
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(F // bn, P, num_k),
-        in_specs=[
-            pl.BlockSpec((bm, bk), x_map),
-            pl.BlockSpec((None, bn, bk), w_map),
-            pl.BlockSpec((None, bn, bk), w_map),
-        ],
+        in_specs=[pl.BlockSpec((bm, bk), x_map)] + [pl.BlockSpec((None, bn, bk), w_map) for _ in ws],
         out_specs=pl.BlockSpec((bm, bn), o_map),
-        scratch_shapes=[pltpu.VMEM((bm, bn), F32), pltpu.VMEM((bm, bn), F32)],
+        scratch_shapes=[pltpu.VMEM((bm, bn), F32) for _ in ws],
     )
-    kernel = functools.partial(_kernel, block_m=bm, num_k=num_k, beta=beta, linear_beta=linear_beta,
-                               precision=precision)
+    kernel = functools.partial(_kernel, block_m=bm, num_k=num_k, fused=len(ws) == 2, beta=beta,
+                               linear_beta=linear_beta, precision=precision)
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((m, F), out_dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
-    )(*sched, x, w1, w3)
+    )(*sched, x, *ws)
     return out[:m0]
+
+
+def _tiles(n: int, kdim: int, block_m: int, block_n: int | None, block_k: int | None) -> tuple[int, int]:
+    """(block_n, block_k), checked: each divides its dim and is a multiple of 128 or the whole dim."""
+    bn = _pick(n, 512) if block_n is None else int(block_n)
+    bk = _pick(kdim, 512) if block_k is None else int(block_k)
+    for name, b, d in (("block_n", bn, n), ("block_k", bk, kdim)):
+        if d % b or (b != d and b % 128):
+            raise ValueError(f"{name}={b} must divide {d} and be a multiple of 128 (or equal it)")
+    if block_m % 8:
+        raise ValueError(f"block_m={block_m} must be a multiple of 8")
+    return bn, bk
+
+
+def _check(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array) -> None:
+    names = "w1/w3" if len(ws) == 2 else "w"
+    if x.ndim != 2 or any(w.ndim != 3 or w.shape != ws[0].shape or w.shape[2] != x.shape[1] for w in ws):
+        raise ValueError(f"x [M, in], {names} [E, out, in] expected; got {x.shape}, "
+                         f"{', '.join(str(w.shape) for w in ws)}")
+    if group_sizes.shape != (ws[0].shape[0],):
+        raise ValueError(f"group_sizes must be [{ws[0].shape[0]}]; got {group_sizes.shape}")
 
 
 def tpu_grouped_gate_up_situ(
@@ -174,18 +202,21 @@ def tpu_grouped_gate_up_situ(
     multiple of 8 (16 for bf16); ``block_n`` / ``block_k`` (default: up to 512) must divide F / in and be
     multiples of 128 or the full dim. ``interpret``: False, True, or ``pltpu.InterpretParams``.
     """
-    if x.ndim != 2 or w1.ndim != 3 or w1.shape != w3.shape or w1.shape[2] != x.shape[1]:
-        raise ValueError(f"x [M, in], w1/w3 [E, F, in] expected; got {x.shape}, {w1.shape}, {w3.shape}")
-    if group_sizes.shape != (w1.shape[0],):
-        raise ValueError(f"group_sizes must be [{w1.shape[0]}]; got {group_sizes.shape}")
-    F, kdim = w1.shape[1], w1.shape[2]
-    bn = _pick(F, 512) if block_n is None else int(block_n)
-    bk = _pick(kdim, 512) if block_k is None else int(block_k)
-    for name, b, d in (("block_n", bn, F), ("block_k", bk, kdim)):
-        if d % b or (b != d and b % 128):
-            raise ValueError(f"{name}={b} must divide {d} and be a multiple of 128 (or equal it)")
-    if block_m % 8:
-        raise ValueError(f"block_m={block_m} must be a multiple of 8")
-    return _call(x, w1, w3, group_sizes.astype(I32), block_m=int(block_m), block_n=bn, block_k=bk,
+    _check(x, (w1, w3), group_sizes)
+    bn, bk = _tiles(w1.shape[1], w1.shape[2], block_m, block_n, block_k)
+    return _call(x, (w1, w3), group_sizes.astype(I32), block_m=int(block_m), block_n=bn, block_k=bk,
                  beta=float(beta), linear_beta=None if linear_beta is None else float(linear_beta),
                  out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret, precision=precision)
+
+
+def tpu_grouped_matmul(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, block_m: int = 128, block_n: int | None = None,
+    block_k: int | None = None, out_dtype=None, precision=None, interpret=False,
+) -> jax.Array:
+    """y [M, N] = x w[e]^T per expert group (fp32 accumulation), the down projection; rows past
+    sum(group_sizes) are zero. x [M, K] sorted by expert; w [E, N, K]; tiles as ``tpu_grouped_gate_up_situ``."""
+    _check(x, (w,), group_sizes)
+    bn, bk = _tiles(w.shape[1], w.shape[2], block_m, block_n, block_k)
+    return _call(x, (w,), group_sizes.astype(I32), block_m=int(block_m), block_n=bn, block_k=bk,
+                 beta=None, linear_beta=None, out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret,
+                 precision=precision)

@@ -91,11 +91,13 @@ def experts_all_dense(
 def experts_ragged_dot(
     x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, weights: jax.Array, ids: jax.Array,
     *, beta: float, linear_beta: float | None, gate_up: Callable[..., jax.Array] | None = None,
+    down: Callable[..., jax.Array] | None = None,
 ) -> jax.Array:
     """Dropless: sort the N*k (token, expert) pairs by expert and run grouped GEMMs with lax.ragged_dot.
 
-    `gate_up(rows, w1, w3, group_sizes)` may replace the gate/up GEMMs + SiTU with a fused kernel
-    (the Mosaic-TPU one); the down projection and the combine stay as here."""
+    `gate_up(rows, w1, w3, group_sizes)` may replace the gate/up GEMMs + SiTU with a fused kernel and
+    `down(hidden, w2, group_sizes)` the down GEMM (the Mosaic-TPU kernels); sorting and the combine stay
+    as here."""
     order, token_of, group_sizes = sort_by_expert(ids, w1.shape[0])
     rows = x[token_of]  # [N*k, in], grouped by expert
 
@@ -108,5 +110,6 @@ def experts_ragged_dot(
         hidden = situ(grouped(rows, w1), grouped(rows, w3), beta, linear_beta)
     else:
         hidden = gate_up(rows, w1, w3, group_sizes).astype(x.dtype)
-    outs = grouped(hidden, w2).astype(F32) * weights.reshape(-1)[order][:, None]
+    outs = grouped(hidden, w2) if down is None else down(hidden, w2, group_sizes)
+    outs = outs.astype(F32) * weights.reshape(-1)[order][:, None]
     return jnp.zeros((ids.shape[0], outs.shape[-1]), F32).at[token_of].add(outs)
