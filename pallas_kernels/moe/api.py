@@ -47,20 +47,47 @@ def routed_experts(
         return experts_all_dense(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
     if implementation == "pallas" and jax.default_backend() == "tpu":
         # Mosaic-TPU fused gate+up+SiTU and grouped down GEMM (tested in TPU interpret mode, not yet on
-        # hardware, so "auto" does not pick them); forward only: no custom VJP on TPU yet.
-        from pallas_kernels.moe.pallas_mosaic_tpu import (  # noqa: PLC0415
-            tpu_grouped_gate_up_situ, tpu_grouped_matmul,
-        )
-
-        precision = exact_if_fp32(x.dtype)
-        gate_up = functools.partial(tpu_grouped_gate_up_situ, beta=beta, linear_beta=linear_beta,
-                                    precision=precision)
-        down = functools.partial(tpu_grouped_matmul, precision=precision)
-        return experts_ragged_dot(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta,
-                                  gate_up=gate_up, down=down)
+        # hardware, so "auto" does not pick them)
+        return _tpu_experts(x, w1, w2, w3, weights, ids, float(beta),
+                            None if linear_beta is None else float(linear_beta))
     if implementation == "pallas":
         # imported here so that the default paths never import Pallas
         from pallas_kernels.moe.pallas_experts import experts_pallas  # noqa: PLC0415
 
         return experts_pallas(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
     raise ValueError(f"implementation={implementation!r}: expected 'auto', 'xla', 'dense' or 'pallas'")
+
+
+def _tpu_forward(x, w1, w2, w3, weights, ids, beta, linear_beta):
+    from pallas_kernels.moe.pallas_mosaic_tpu import (  # noqa: PLC0415 (TPU path only)
+        tpu_grouped_gate_up_situ, tpu_grouped_matmul,
+    )
+
+    precision = exact_if_fp32(x.dtype)
+    gate_up = functools.partial(tpu_grouped_gate_up_situ, beta=beta, linear_beta=linear_beta,
+                                precision=precision)
+    down = functools.partial(tpu_grouped_matmul, precision=precision)
+    return experts_ragged_dot(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta,
+                              gate_up=gate_up, down=down)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _tpu_experts(x, w1, w2, w3, weights, ids, beta, linear_beta):
+    """The Mosaic-TPU forward, differentiable through the VJP of the ragged_dot reference (recomputed
+    from the inputs): there is no TPU backward kernel yet."""
+    return _tpu_forward(x, w1, w2, w3, weights, ids, beta, linear_beta)
+
+
+def _tpu_experts_fwd(x, w1, w2, w3, weights, ids, beta, linear_beta):
+    return _tpu_forward(x, w1, w2, w3, weights, ids, beta, linear_beta), (x, w1, w2, w3, weights, ids)
+
+
+def _tpu_experts_bwd(beta, linear_beta, inputs, cotangent):
+    *floats, ids = inputs
+    reference = lambda x, w1, w2, w3, weights: experts_ragged_dot(  # noqa: E731
+        x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
+    _, vjp = jax.vjp(reference, *floats)
+    return (*vjp(cotangent), None)
+
+
+_tpu_experts.defvjp(_tpu_experts_fwd, _tpu_experts_bwd)
