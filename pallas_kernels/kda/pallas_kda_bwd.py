@@ -142,15 +142,15 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, 
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("scale", "block_v", "grads_block_v", "grads") + _TUNING)
+                   static_argnames=("scale", "block_v", "grads_block_v", "grads", "grads_warps") + _TUNING)
 def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_block_v, grads,
-         **tuning):
+         grads_warps, **tuning):
     A, W, U, aqk, qg, kd, gl = stage_parts(q, k, v, g, beta, scale=scale, **tuning)
     hs = stage_states(W, U, kd, gl, h0, chunk_offsets, block_v=block_v, **tuning)
     dhs, dvn, ds0 = stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets, block_v=block_v,
                                   **tuning)
     out = stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, scale=scale,
-                      block_v=grads_block_v, variant=grads, **tuning)
+                      block_v=grads_block_v, variant=grads, **{**tuning, "num_warps": grads_warps})
     return (*out, ds0)
 
 
@@ -182,6 +182,7 @@ def pallas_chunk_kda_bwd(
     grads: str = "blocked",
     num_warps: int = 4,
     num_stages: int = 1,
+    grads_warps: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """Gradients of ``pallas_chunk_kda``'s ``(o, final_state)`` (safe gate, fla conventions).
 
@@ -193,6 +194,8 @@ def pallas_chunk_kda_bwd(
     columns per step of the gradient kernel's loop (its live set; default 32); ``grads`` picks
     the gradient pass's kernels (see ``stage_grads``; "blocked" by default: the fewest
     multiply-adds and the smallest live sets, chosen before any GPU timing of the variants).
+    ``grads_warps``: num_warps of the gradient pass alone (default ``num_warps``); offline, its
+    kernels spill 1.8-3.6 KB per thread at 4 warps and 40-760 B at 8 (benchmarks/RESULTS.md).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -234,7 +237,8 @@ def pallas_chunk_kda_bwd(
     dq, dk, dv, dg, db, ds0 = _bwd(
         q, k, v, g, beta, initial_state.astype(_F32), do.astype(v.dtype), dht.astype(_F32),
         offsets, scale=float(scale), interpret=bool(interpret), num_warps=num_warps,
-        num_stages=num_stages, grads=grads, **blocks,
+        num_stages=num_stages, grads=grads, grads_warps=num_warps if grads_warps is None else grads_warps,
+        **blocks,
     )
     out = (dq, dk, dv, dg, db)
     if cu_seqlens is not None:
