@@ -152,6 +152,16 @@ def test_grouped_matmul_matches_reference(gs, bm):
     assert np.all(np.asarray(out[tail:]) == 0)
 
 
+def test_grouped_matmul_bf16_default_tiles():
+    """bf16 in and out at the default tiles: the error is the output's bf16 rounding (2^-9 relative)."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((40, 512)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((3, 256, 512)) / 16, jnp.bfloat16)
+    out = tpu_grouped_matmul(x, w, jnp.asarray([10, 0, 30], jnp.int32), block_m=16, interpret=INTERP)
+    assert out.dtype == jnp.bfloat16 and _no_races()
+    assert _rel(out, _numpy_grouped_matmul(x.astype(jnp.float32), w.astype(jnp.float32), [10, 0, 30])) <= 5e-3
+
+
 def test_grouped_matmul_shape_errors_name_the_weight():
     x = jnp.zeros((16, 256), jnp.float32)
     with pytest.raises(ValueError, match=r"w \[E, out, in\]"):
