@@ -225,3 +225,14 @@ def test_ragged_exchange_gradient_lowers_with_the_real_collective():
         *a, mesh=mesh, beta=BETA, linear_beta=LINEAR_BETA, strategy="all_to_all", exchange="ragged"))
     text = jax.jit(jax.grad(loss, (0, 1, 2, 3, 4))).trace(*problem(37, "random")).lower().as_text()
     assert text.count("ragged_all_to_all") >= 4  # two exchanges forward, their two reverses backward
+
+
+@pytest.mark.parametrize(("backend", "flags", "want"), [
+    ("cpu", "", "padded"), ("gpu", "", "padded"), ("gpu", RAGGED_GPU_FLAG, "ragged"), ("tpu", "", "ragged")])
+def test_auto_exchange_per_platform(monkeypatch, backend, flags, want):
+    """exchange="auto": the ragged collective where it runs well (TPU; GPU with XLA's decomposer)."""
+    from sharding.expert_parallel import _resolve_exchange
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert _resolve_exchange("auto") == want
