@@ -81,7 +81,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.moe.reference import exact_if_fp32, situ
+from pallas_kernels.moe.reference import situ
+from pallas_kernels.precision import exact_if_fp32
 
 F32 = jnp.float32
 Strategy = Literal["auto", "all_to_all", "allgather", "decode"]
@@ -142,16 +143,15 @@ def _grouped_mlp(rows, group_sizes, w1, w2, w3, *, beta, linear_beta, f_axis, im
         from pallas_kernels.moe.pallas_experts import grouped_expert_mlp  # noqa: PLC0415 (GPU path only)
 
         out = grouped_expert_mlp(rows, group_sizes, w1, w2, w3, beta=beta, linear_beta=linear_beta)
-        return (out if f_axis is None else jax.lax.psum(out.astype(F32), f_axis)).astype(dtype)
+    else:
+        def grouped(lhs, rhs):
+            return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DIMS, preferred_element_type=F32,
+                                              precision=exact_if_fp32(lhs.dtype))
 
-    def grouped(lhs, rhs):
-        return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DIMS, preferred_element_type=F32,
-                                          precision=exact_if_fp32(lhs.dtype))
-
-    hidden = situ(grouped(rows, w1).astype(dtype), grouped(rows, w3).astype(dtype), beta, linear_beta)
-    out = grouped(hidden, w2)
+        hidden = situ(grouped(rows, w1).astype(dtype), grouped(rows, w3).astype(dtype), beta, linear_beta)
+        out = grouped(hidden, w2)
     if f_axis is not None:  # F split over tensor: the down GEMM gave partial sums over F
-        out = jax.lax.psum(out, f_axis)
+        out = jax.lax.psum(out.astype(F32), f_axis)
     return out.astype(dtype)
 
 

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.precision import exact_if_fp32
+
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -35,16 +37,10 @@ def declare(
     return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
 
 
-def precision_for(dtype: jnp.dtype) -> jax.lax.Precision | None:
-    """HIGHEST for fp32 operands, else the backend's default. GPUs otherwise run fp32 dots as TF32
-    (~1e-3 relative) where the reference's torch GEMMs are true fp32; bf16 is native either way."""
-    return HIGHEST if dtype == F32 else None
-
-
 def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
     """x [..., in] @ weight[out, in].T, accumulated in fp32 and rounded to x's dtype (as a torch GEMM)."""
     y = jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=F32,
-                   precision=precision_for(x.dtype))
+                   precision=exact_if_fp32(x.dtype))
     return y.astype(x.dtype)
 
 

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MLA_LOW_RANK_NORM_EPS, K3Config
-from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm, precision_for
+from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm
+from pallas_kernels.precision import exact_if_fp32
 
 
 QUERY_CHUNK = 1024  # prefill query rows attended at once (bounds the [heads, rows, keys] fp32 scores)
@@ -105,11 +106,11 @@ class GatedMLA(nnx.Module):
 
         def attend(q_rows: jax.Array, rows_pos: jax.Array) -> jax.Array:
             scores = jnp.einsum("bthd,bshd->bhts", q_rows, k, preferred_element_type=F32,
-                                precision=precision_for(q.dtype)) * self.scale
+                                precision=exact_if_fp32(q.dtype)) * self.scale
             mask = _attention_mask(rows_pos, key_pos, start)
             probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(q.dtype)
             return jnp.einsum("bhts,bshd->bthd", probs, v, preferred_element_type=F32,
-                              precision=precision_for(q.dtype)).astype(q.dtype)
+                              precision=exact_if_fp32(q.dtype)).astype(q.dtype)
 
         seq, chunk = q.shape[1], self.query_chunk
         if seq <= chunk:

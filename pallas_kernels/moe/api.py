@@ -8,9 +8,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe.reference import (
-    MXFP4Experts, decode_experts, exact_if_fp32, experts_all_dense, experts_ragged_dot,
-)
+from pallas_kernels.moe.reference import MXFP4Experts, decode_experts, experts_all_dense, experts_ragged_dot
+from pallas_kernels.precision import exact_if_fp32
 
 Implementation = Literal["auto", "xla", "dense", "pallas"]
 

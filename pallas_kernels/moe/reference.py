@@ -13,6 +13,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.precision import exact_if_fp32
+
 F32 = jnp.float32
 
 
@@ -55,11 +57,6 @@ def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float | None)
     g, u = gate.astype(F32), up.astype(F32)
     capped_up = u if linear_beta is None else linear_beta * jnp.tanh(u / linear_beta)
     return (beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g) * capped_up).astype(gate.dtype)
-
-
-def exact_if_fp32(dtype) -> jax.lax.Precision | None:
-    """HIGHEST for fp32 operands (GPUs otherwise run fp32 dots as TF32, ~1e-3 relative), else default."""
-    return jax.lax.Precision.HIGHEST if dtype == F32 else None
 
 
 def sort_by_expert(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
