@@ -143,14 +143,12 @@ def run_jax():
         num["ours_fp32_nan"] = bool(jnp.isnan(o32).any())
         # "stream" is v1 reordered: on the GPU too its outputs should equal v1's (or differ only
         # where the compiler contracts the reordered code differently)
+        fused_call = lambda **kw: pallas_chunk_kda_fused_gate(  # noqa: E731
+            bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"], j["A_log"], j["dt_bias"], lower_bound=LB,
+            initial_state=j["h0"], block_v=128, **kw)
+        o_1, h_1 = fused_call(intra="v1")
         for iw in (None, 16):
-            o_s, h_s = pallas_chunk_kda_fused_gate(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"],
-                                                   j["A_log"], j["dt_bias"], lower_bound=LB,
-                                                   initial_state=j["h0"], block_v=128,
-                                                   intra="stream", intra_warps=iw)
-            o_1, h_1 = pallas_chunk_kda_fused_gate(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"],
-                                                   j["A_log"], j["dt_bias"], lower_bound=LB,
-                                                   initial_state=j["h0"], block_v=128, intra="v1")
+            o_s, h_s = fused_call(intra="stream", intra_warps=iw)
             num[f"stream_iw{iw}_vs_v1_o"] = rel(o_s.astype(jnp.float32), o_1.astype(jnp.float32))
             num[f"stream_iw{iw}_vs_v1_ht"] = rel(h_s, h_1)
         if "fla_o" in x:

@@ -184,6 +184,16 @@ def _row_blocks(i, qs, beta, ks, Gs, mm_dtype):
     return L_row, A_row
 
 
+def _wu_row(i, X, bk_of, bv_of, mm_dtype):
+    """Row block i of ``W = X (beta k e^G)`` and ``U = X (beta v)``: sums over j <= i in order, the
+    operands given per sub-chunk j by ``bk_of(j)`` / ``bv_of(j)`` (so a kernel may read v only here)."""
+    w = u = None
+    for j in range(i + 1):
+        dw, du = _dot(X[i, j], bk_of(j), mm_dtype), _dot(X[i, j], bv_of(j), mm_dtype)
+        w, u = (dw, du) if w is None else (w + dw, u + du)
+    return w, u
+
+
 def _store_row(ref, b, ts, h, blocks):
     """One 16-row block row of a [C, C] lower-block-triangular matrix: ``blocks`` for j <= i,
     zeros above."""
@@ -227,11 +237,7 @@ def _intra_kernel(
     bv = [betas[j][:, None] * vs[j].astype(_F32) for j in range(NC)]
     for i in range(NC):
         ts = pl.ds(t0 + i * BC, BC)
-        w = _dot(X[i, 0], bk[0], mm_dtype)
-        u = _dot(X[i, 0], bv[0], mm_dtype)
-        for j in range(1, i + 1):
-            w = w + _dot(X[i, j], bk[j], mm_dtype)
-            u = u + _dot(X[i, j], bv[j], mm_dtype)
+        w, u = _wu_row(i, X, bk.__getitem__, bv.__getitem__, mm_dtype)
         w_ref[b, ts, h, :] = w.astype(sd)
         u_ref[b, ts, h, :] = u.astype(u_ref.dtype)
         qg_ref[b, ts, h, :] = (qs[i] * jnp.exp(Gs[i])).astype(sd)
@@ -286,12 +292,12 @@ def _intra_stream_kernel(
         _store_row(a_ref, b, ts, h, A_row)
 
     X = _unit_lower_inverse(L)
+
+    def beta_v(j):
+        return betas[j][:, None] * v_ref[b, pl.ds(t0 + j * BC, BC), h, :].astype(_F32)
+
     for i in range(NC):
-        w = u = None
-        for j in range(i + 1):
-            bv = betas[j][:, None] * v_ref[b, pl.ds(t0 + j * BC, BC), h, :].astype(_F32)
-            dw, du = _dot(X[i, j], bks[j], mm_dtype), _dot(X[i, j], bv, mm_dtype)
-            w, u = (dw, du) if w is None else (w + dw, u + du)
+        w, u = _wu_row(i, X, bks.__getitem__, beta_v, mm_dtype)
         ts = pl.ds(t0 + i * BC, BC)
         w_ref[b, ts, h, :] = w.astype(sd)
         u_ref[b, ts, h, :] = u.astype(u_ref.dtype)
