@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.timing import median_ms
 from k3jax.config import K3Config
 from k3jax.generate import _decode_step, _prefill
 from k3jax.model import K3Model
@@ -46,16 +45,6 @@ def set_kernels(model: K3Model, implementation: str) -> None:
             layer.self_attn.implementation = implementation
         if layer.ffn_kind == "moe":
             layer.block_sparse_moe.implementation = implementation
-
-
-def median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -102,7 +91,7 @@ def main() -> None:
     for implementation in args.implementations.split(","):
         set_kernels(model, implementation)
         check_logits[implementation] = _prefill(model, check_ids, check_ids.shape[1])[0].astype(jnp.float32)
-        prefill_s = median_seconds(lambda: _prefill(model, prompt, args.prefill_len)[0], args.repeats)
+        prefill_s = median_ms(lambda: _prefill(model, prompt, args.prefill_len)[0], reps=args.repeats) / 1e3
         cache = jax.tree.map(jnp.copy, context_cache)
         tokens = context[:, -1]
 
@@ -112,7 +101,7 @@ def main() -> None:
                 logits, cache = _decode_step(model, cache, tokens)
             return logits
 
-        decode_s = median_seconds(decode_steps, args.repeats)
+        decode_s = median_ms(decode_steps, reps=args.repeats) / 1e3
         run = {
             "prefill_tokens_per_s": args.prefill_len / prefill_s, "prefill_ms": prefill_s * 1e3,
             "decode_tokens_per_s": args.decode_batch * args.decode_steps / decode_s,

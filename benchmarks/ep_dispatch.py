@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
-import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -26,6 +24,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.timing import median_ms  # noqa: E402
 from pallas_kernels.moe.reference import experts_ragged_dot  # noqa: E402
 from sharding import make_mesh  # noqa: E402
 from sharding.expert_parallel import dispatch_bytes_per_token  # noqa: E402
@@ -34,7 +33,6 @@ from sharding.expert_parallel import ep_routed_experts  # noqa: E402
 OUT = os.environ.get("OUT", ".")
 MESH = "expert=8"
 SHAPES = {"moderate": dict(n=4096, k=4, e=32, d=256, f=128), "decode": dict(n=8, k=4, e=32, d=256, f=128)}
-REPS = 7
 
 
 def problem(n, k, e, d, f, seed=0):
@@ -63,17 +61,6 @@ def bytes_moved(strategy, *, n, k, e, d, ep, itemsize=4):
                                             itemsize=itemsize, exchange=exchange)
 
 
-def time_it(fn, args):
-    jax.block_until_ready(fn(*args))  # compile
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(REPS):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def main():
     mesh = make_mesh(MESH)
     ep = mesh.shape["expert"]
@@ -87,7 +74,7 @@ def main():
                 *a, mesh=mesh, beta=2.0, linear_beta=3.0, strategy=st))
         for name, fn in cases.items():
             err = float(jnp.abs(fn(*args) - ref).max() / jnp.abs(ref).max())
-            t = time_it(fn, args)
+            t = median_ms(fn, *args, warmups=2) / 1e3
             b = bytes_moved(name, n=s["n"], k=s["k"], e=s["e"], d=s["d"], ep=ep)
             rows.append(dict(shape=label, **s, strategy=name, median_ms=t * 1e3, bytes_per_device=b, max_rel_err=err))
             print(f"{label:9s} N={s['n']:5d} {name:11s} {t * 1e3:9.2f} ms  {b / 1e6:9.3f} MB/device  err {err:.1e}",

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -38,7 +37,6 @@ OUT = Path(os.environ.get("OUT", "."))
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "k3-tiny-a"
 BETA, LINEAR_BETA = 4.0, 25.0
-REPS = 7
 
 
 def log(msg: str) -> None:
@@ -52,18 +50,6 @@ def rel_rms(a, b) -> float:
 
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b**2)))
-
-
-def median_ms(fn, *args) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(REPS):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def layer_problem(n, e, k, d, f, dtype, seed=0):
@@ -98,6 +84,7 @@ def layer_cases(smoke: bool, shapes: tuple[str, ...], grads: bool) -> list[dict]
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.timing import median_ms
     from pallas_kernels.moe.api import routed_experts
     from sharding import make_mesh
     from sharding.expert_parallel import ep_routed_experts
@@ -145,6 +132,7 @@ def layer_gradients(args, mesh, impl, label) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.timing import median_ms
     from pallas_kernels.moe.api import routed_experts
     from sharding.expert_parallel import ep_routed_experts
 

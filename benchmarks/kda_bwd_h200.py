@@ -143,6 +143,7 @@ def run_jax():
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.timing import median_ms
     from pallas_kernels.kda import chunk_kda
     from pallas_kernels.kda import pallas_kda_bwd as pb
     from pallas_kernels.kda.chunk_backward import chunk_kda_bwd
@@ -198,15 +199,7 @@ def run_jax():
     save(res, out)
 
     def bench(f, args, n_rep=5, n_inner=5):
-        jax.block_until_ready(f(*args))
-        ts = []
-        for _ in range(n_rep):
-            t = time.perf_counter()
-            for _ in range(n_inner):
-                o = f(*args)
-            jax.block_until_ready(o)
-            ts.append((time.perf_counter() - t) / n_inner * 1e3)
-        return round(sorted(ts)[len(ts) // 2], 3)
+        return round(median_ms(f, *args, reps=n_rep, inner=n_inner), 3)
 
     def attempt(r, key, fn, budget=250):
         if time.time() - T0 > budget:

@@ -101,6 +101,7 @@ def run_jax():
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.timing import median_ms
     from pallas_kernels.kda.pallas_kda import pallas_chunk_kda, pallas_chunk_kda_fused_gate
     from pallas_kernels.kda.reference import chunked_kda
 
@@ -163,16 +164,7 @@ def run_jax():
     save()
 
     def bench(f, args, n_rep=5, n_inner=10):
-        out = f(*args)
-        jax.block_until_ready(out)
-        ts = []
-        for _ in range(n_rep):
-            t = time.perf_counter()
-            for _ in range(n_inner):
-                out = f(*args)
-            jax.block_until_ready(out)
-            ts.append((time.perf_counter() - t) / n_inner * 1e3)
-        return sorted(ts)[len(ts) // 2], ts
+        return median_ms(f, *args, reps=n_rep, inner=n_inner)
 
     for B, T, H in SHAPES:
         key = jax.random.split(jax.random.PRNGKey(0), 6)
@@ -191,7 +183,7 @@ def run_jax():
                             pallas_chunk_kda_fused_gate(q, k, v, g, b, a, d, lower_bound=LB,
                                                         block_v=bv, num_warps=nw, num_stages=ns,
                                                         intra=it, intra_warps=iw))
-                ms, ts = bench(f, args)
+                ms = bench(f, args)
                 r[f"{tag}_ms"] = round(ms, 4)
             except Exception as e:
                 r[f"{tag}_error"] = repr(e)[-800:]
@@ -205,7 +197,7 @@ def run_jax():
             def unfused(q, k, v, g, b, a, d):
                 qa, ka, ga, ba = activate(q, k, g, b, a, d)
                 return pallas_chunk_kda(qa.astype(q.dtype), ka.astype(q.dtype), v, ga, ba)
-            ms, _ = bench(jax.jit(unfused), args)
+            ms = bench(jax.jit(unfused), args)
             r["ours_unfused_xla_activations_ms"] = round(ms, 4)
         except Exception as e:
             r["ours_unfused_error"] = repr(e)[-800:]
@@ -213,7 +205,7 @@ def run_jax():
             def xla_ref(q, k, v, g, b, a, d):
                 qa, ka, ga, ba = activate(q, k, g, b, a, d)
                 return chunked_kda(qa, ka, v, ga, ba, scale=D**-0.5, initial_state=None)
-            ms, _ = bench(jax.jit(xla_ref), args, n_rep=3, n_inner=2)
+            ms = bench(jax.jit(xla_ref), args, n_rep=3, n_inner=2)
             r["xla_reference_ms"] = round(ms, 2)
         except Exception as e:
             r["xla_reference_error"] = repr(e)[-800:]

@@ -53,6 +53,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.timing import median_ms
     from pallas_kernels.kda import chunk_kda
     from pallas_kernels.kda.pallas_kda import pallas_chunk_kda, pallas_chunk_kda_fused_gate
     from pallas_kernels.kda.reference import chunked_kda
@@ -170,15 +171,7 @@ def main() -> None:
 
     # ---- 2. timing ------------------------------------------------------------------------
     def bench(f, args, n_rep=5, n_inner=10) -> float:
-        jax.block_until_ready(f(*args))
-        ts = []
-        for _ in range(n_rep):
-            t = time.perf_counter()
-            for _ in range(n_inner):
-                out = f(*args)
-            jax.block_until_ready(out)
-            ts.append((time.perf_counter() - t) / n_inner * 1e3)
-        return round(sorted(ts)[len(ts) // 2], 4)
+        return round(median_ms(f, *args, reps=n_rep, inner=n_inner), 4)
 
     lens = mixed_lengths(N_SEQ, TOTAL)
     cu = np.concatenate([[0], np.cumsum(lens)])
