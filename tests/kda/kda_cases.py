@@ -14,19 +14,20 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 def kda_case(
     rng: np.random.Generator, batch: int, T: int, H: int, K: int, V: int, lower_bound: float = -5.0,
-    states: int | None = None,
+    states: int | None = None, gate_spread: float = 2.0, state_scale: float = 0.5,
 ) -> dict[str, np.ndarray]:
-    """q, k [batch, T, H, K] unit rows; v [batch, T, H, V]; g, beta; s0 [states, H, K, V] (numpy;
-    states defaults to batch, packed sequences pass their count)."""
+    """q, k [batch, T, H, K] unit rows; v [batch, T, H, V]; g = lower_bound sigmoid(gate_spread x),
+    beta; s0 [states, H, K, V] scaled by state_scale (numpy; states defaults to batch, packed
+    sequences pass their count)."""
     q = rng.standard_normal((batch, T, H, K))
     k = rng.standard_normal((batch, T, H, K))
     return dict(
         q=q / np.linalg.norm(q, axis=-1, keepdims=True),
         k=k / np.linalg.norm(k, axis=-1, keepdims=True),
         v=rng.standard_normal((batch, T, H, V)),
-        g=lower_bound * _sigmoid(2.0 * rng.standard_normal((batch, T, H, K))),
+        g=lower_bound * _sigmoid(gate_spread * rng.standard_normal((batch, T, H, K))),
         beta=_sigmoid(rng.standard_normal((batch, T, H))),
-        s0=0.5 * rng.standard_normal((batch if states is None else states, H, K, V)),
+        s0=state_scale * rng.standard_normal((batch if states is None else states, H, K, V)),
     )
 
 

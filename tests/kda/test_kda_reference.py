@@ -10,27 +10,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import chunk_kda, kda_decode, naive_recurrent_kda, recurrent_kda_step
+from tests.kda.kda_cases import kda_case
 
 B, H, K, V = 2, 3, 16, 24  # K != V on purpose
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))
-
-
 def make_inputs(T: int, seed: int = 0, batch: int = B) -> dict[str, np.ndarray]:
     """float64 inputs shaped like K3's: unit q/k, gate in (-5, 0), beta in (0, 1)."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((batch, T, H, K))
-    k = rng.standard_normal((batch, T, H, K))
-    return dict(
-        q=q / np.linalg.norm(q, axis=-1, keepdims=True),
-        k=k / np.linalg.norm(k, axis=-1, keepdims=True),
-        v=rng.standard_normal((batch, T, H, V)),
-        g=-5.0 * _sigmoid(rng.standard_normal((batch, T, H, K))),
-        beta=_sigmoid(rng.standard_normal((batch, T, H))),
-        s0=rng.standard_normal((batch, H, K, V)),
-    )
+    return kda_case(np.random.default_rng(seed), batch, T, H, K, V, gate_spread=1.0, state_scale=1.0)
 
 
 def f32(x: dict[str, np.ndarray]) -> dict[str, jax.Array]:

@@ -67,6 +67,18 @@ def run(mesh, strategy, **kw):
                                                 strategy=strategy, **kw))
 
 
+def check_gradients(mesh, args, ct, variants):
+    """d/d(x, w1, w2, w3, weights) of <out, ct> for each variant (ep_routed_experts keyword arguments),
+    jitted, against the reference's gradients."""
+    argnums = (0, 1, 2, 3, 4)
+    want = jax.grad(lambda *a: jnp.sum(reference(*a) * ct), argnums)(*args)
+    for kw in variants:
+        loss = lambda *a, kw=kw: jnp.sum(ep_routed_experts(  # noqa: E731
+            *a, mesh=mesh, beta=BETA, linear_beta=LINEAR_BETA, **kw) * ct)
+        for g, w in zip(jax.jit(jax.grad(loss, argnums))(*args), want, strict=True):
+            close(g, w)
+
+
 @needs8
 @pytest.mark.parametrize("mesh_spec", MESHES)
 def test_forward_matches_ragged_dot(mesh_spec):
@@ -84,17 +96,9 @@ def test_forward_matches_ragged_dot(mesh_spec):
 @pytest.mark.parametrize("mesh_spec", MESHES)
 def test_gradients_match_ragged_dot(mesh_spec):
     """d/d(x, w1, w2, w3, weights) of <out, cotangent>: every path is differentiable and exact."""
-    mesh = make_mesh(mesh_spec)
-    args = problem(37, "random", seed=1)
     ct = jnp.asarray(np.random.default_rng(2).normal(size=(37, D)).astype(np.float32))
-    argnums = (0, 1, 2, 3, 4)
-    want = jax.grad(lambda *a: jnp.sum(reference(*a) * ct), argnums)(*args)
-    for strategy in STRATEGIES:
-        loss = lambda *a: jnp.sum(ep_routed_experts(  # noqa: E731
-            *a, mesh=mesh, beta=BETA, linear_beta=LINEAR_BETA, strategy=strategy) * ct)
-        got = jax.jit(jax.grad(loss, argnums))(*args)
-        for g, w in zip(got, want, strict=True):
-            close(g, w)
+    check_gradients(make_mesh(mesh_spec), problem(37, "random", seed=1), ct,
+                    [dict(strategy=strategy) for strategy in STRATEGIES])
 
 
 @needs8
@@ -129,13 +133,8 @@ def test_ragged_all_to_all_exchange():
     for routing in ("random", "skewed", "sparse"):
         args = problem(37, routing)
         close(run(mesh, "all_to_all", exchange="ragged")(*args), reference(*args))
-    args = problem(37, "random", seed=1)
-    ct = jnp.ones((37, D), jnp.float32)
-    want = jax.grad(lambda *a: jnp.sum(reference(*a) * ct), (0, 1, 2, 3, 4))(*args)
-    loss = lambda *a: jnp.sum(ep_routed_experts(  # noqa: E731
-        *a, mesh=mesh, beta=BETA, linear_beta=LINEAR_BETA, strategy="all_to_all", exchange="ragged") * ct)
-    for g, w in zip(jax.jit(jax.grad(loss, (0, 1, 2, 3, 4)))(*args), want, strict=True):
-        close(g, w)
+    check_gradients(mesh, problem(37, "random", seed=1), jnp.ones((37, D), jnp.float32),
+                    [dict(strategy="all_to_all", exchange="ragged")])
 
 
 def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -169,13 +168,8 @@ def test_ragged_exchange_offsets_on_cpu(mesh_spec, monkeypatch):
             args = problem(n, routing)
             close(f(*args), reference(*args))
     # gradients through the exchange's own VJP (the reverse exchange, also emulated here)
-    args = problem(37, "random", seed=1)
     ct = jnp.asarray(np.random.default_rng(2).normal(size=(37, D)).astype(np.float32))
-    want = jax.grad(lambda *a: jnp.sum(reference(*a) * ct), (0, 1, 2, 3, 4))(*args)
-    loss = lambda *a: jnp.sum(ep_routed_experts(  # noqa: E731
-        *a, mesh=mesh, beta=BETA, linear_beta=LINEAR_BETA, strategy="all_to_all", exchange="ragged") * ct)
-    for g, w in zip(jax.jit(jax.grad(loss, (0, 1, 2, 3, 4)))(*args), want, strict=True):
-        close(g, w)
+    check_gradients(mesh, problem(37, "random", seed=1), ct, [dict(strategy="all_to_all", exchange="ragged")])
 
 
 @needs8
@@ -188,15 +182,10 @@ def test_pallas_local_experts(mesh_spec):
     above holds unchanged."""
     mesh = make_mesh(mesh_spec)
     args = problem(37, "random", seed=3)
-    ct = jnp.asarray(np.random.default_rng(4).normal(size=(37, D)).astype(np.float32))
-    argnums = (0, 1, 2, 3, 4)
-    want = jax.grad(lambda *a: jnp.sum(reference(*a) * ct), argnums)(*args)
     for strategy in STRATEGIES:
         close(run(mesh, strategy, implementation="pallas")(*args), reference(*args))
-        loss = lambda *a, s=strategy: jnp.sum(ep_routed_experts(  # noqa: E731
-            *a, mesh=mesh, beta=BETA, linear_beta=LINEAR_BETA, strategy=s, implementation="pallas") * ct)
-        for g, w in zip(jax.jit(jax.grad(loss, argnums))(*args), want, strict=True):
-            close(g, w)
+    ct = jnp.asarray(np.random.default_rng(4).normal(size=(37, D)).astype(np.float32))
+    check_gradients(mesh, args, ct, [dict(strategy=strategy, implementation="pallas") for strategy in STRATEGIES])
 
 
 def test_unknown_implementation_is_named():
