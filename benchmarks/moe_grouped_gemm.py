@@ -59,6 +59,7 @@ def part_jax(budget_s: float, tune: bool = False) -> None:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.timing import samples_ms
     from pallas_kernels.moe import pallas_grouped_gemm as pg
     from pallas_kernels.moe.reference import _RAGGED_DIMS, situ
 
@@ -71,16 +72,7 @@ def part_jax(budget_s: float, tune: bool = False) -> None:
             json.dump(res, f, indent=1)
 
     def bench(fn, *args, reps=15, inner=3):
-        for _ in range(2):
-            jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            for _ in range(inner):
-                r = fn(*args)
-            jax.block_until_ready(r)
-            times.append((time.perf_counter() - t) / inner * 1e3)
-        times.sort()
+        times = samples_ms(fn, *args, reps=reps, inner=inner, warmups=2)
         return times[len(times) // 2], times[len(times) // 5], times[(4 * len(times)) // 5]
 
     def rel(a, b):

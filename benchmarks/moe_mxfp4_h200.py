@@ -56,6 +56,7 @@ def part_jax(budget_s: float) -> None:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.timing import samples_ms
     from pallas_kernels.moe import pallas_grouped_gemm as pg
     from pallas_kernels.moe.mxfp4_order import fragment_order
     from pallas_kernels.moe.pallas_experts import experts_pallas
@@ -74,16 +75,7 @@ def part_jax(budget_s: float) -> None:
     def bench(fn, *args, reps=15, inner=3):
         if INTERPRET:
             reps, inner = 1, 1
-        for _ in range(2):
-            jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            for _ in range(inner):
-                r = fn(*args)
-            jax.block_until_ready(r)
-            times.append((time.perf_counter() - t) / inner * 1e3)
-        times.sort()
+        times = samples_ms(fn, *args, reps=reps, inner=inner, warmups=2)
         return times[len(times) // 2], times[len(times) // 5], times[(4 * len(times)) // 5]
 
     def rel(a, b) -> float:

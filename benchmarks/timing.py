@@ -3,17 +3,16 @@ import median_ms` with the repository root on PYTHONPATH)."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
 import jax
 
 
-def median_ms(fn: Callable, *args, reps: int = 7, inner: int = 1, warmups: int = 1) -> float:
-    """Milliseconds per call of ``fn(*args)``: after ``warmups`` untimed calls (the first compiles),
-    ``reps`` samples, each the mean of ``inner`` back-to-back calls ended by one
-    ``block_until_ready``; returns the upper median (a real sample when ``reps`` is even)."""
+def samples_ms(fn: Callable, *args, reps: int = 7, inner: int = 1, warmups: int = 1) -> list[float]:
+    """Milliseconds per call of ``fn(*args)``, sorted: after ``warmups`` untimed calls (the first
+    compiles), ``reps`` samples, each the mean of ``inner`` back-to-back calls ended by one
+    ``block_until_ready``."""
     for _ in range(warmups):
         jax.block_until_ready(fn(*args))
     samples = []
@@ -23,4 +22,10 @@ def median_ms(fn: Callable, *args, reps: int = 7, inner: int = 1, warmups: int =
             out = fn(*args)
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - start) / inner * 1e3)
-    return statistics.median_high(samples)
+    return sorted(samples)
+
+
+def median_ms(fn: Callable, *args, reps: int = 7, inner: int = 1, warmups: int = 1) -> float:
+    """The upper median of ``samples_ms`` (a real sample when ``reps`` is even)."""
+    samples = samples_ms(fn, *args, reps=reps, inner=inner, warmups=warmups)
+    return samples[len(samples) // 2]
