@@ -33,12 +33,10 @@ D = 128
 CMP = "/tmp/kda_cmp.npz"
 # (block_v, num_warps, num_stages, intra kernel, intra_warps); warps and stages apply to every kernel
 # of the call, intra_warps (None: num_warps) to the intra stage's. The first two are the defaults
-# (`default_tiles`) for many / few sequence-heads; then the next best of the 2026-11-29 sweeps
-# (benchmarks/RESULTS.md); then 16-warp intra stages (25% occupancy; the offline ptxas report's
-# fewest spills at 128 registers: "stream" 216/244 B, v1 780/1012 B), not yet timed.
+# (`default_tiles`) for many / few sequence-heads; then 16-warp intra stages (25% occupancy; the
+# offline ptxas report's fewest spills at 128 registers: "stream" 216/244 B, v1 780/1012 B).
 CONFIGS = [
-    (128, 8, 1, "v1", None), (64, 8, 1, "split", None), (128, 8, 1, "split", None),
-    (64, 4, 1, "split", None),
+    (128, 8, 1, "v1", None), (64, 8, 1, "split", None),
     (128, 8, 1, "stream", 16), (128, 8, 1, "v1", 16), (128, 8, 1, "stream", None),
     (64, 8, 1, "split", 16), (64, 8, 1, "stream", 16),
 ]
