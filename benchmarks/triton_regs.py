@@ -162,7 +162,7 @@ LOWER_BOUND = -5.0
 sds = jax.ShapeDtypeStruct
 
 
-def _kda_fwd(intra: str, block_v: int, warps: int | None) -> tuple[Callable, tuple]:
+def _kda_fwd(intra: str, block_v: int, warps: int | None, **extra: int) -> tuple[Callable, tuple]:
     """K3's forward call: raw bf16 q, k, gate and beta logits, activations fused in the kernel."""
     tokens = (KDA_B, KDA_T, KDA_H, KDA_D)
     args = (sds(tokens, jnp.bfloat16),) * 4 + (
@@ -174,7 +174,7 @@ def _kda_fwd(intra: str, block_v: int, warps: int | None) -> tuple[Callable, tup
 
     def fn(*a: jax.Array) -> tuple[jax.Array, jax.Array]:
         return pallas_chunk_kda_fused_gate(*a, lower_bound=LOWER_BOUND, interpret=False,
-                                           intra=intra, block_v=block_v, **tuning)
+                                           intra=intra, block_v=block_v, **tuning, **extra)
 
     return fn, args
 
@@ -215,6 +215,8 @@ CASES: dict[str, Callable[[int | None], tuple[Callable, tuple]]] = {
     "kda_fwd_v1": lambda warps: _kda_fwd("v1", 128, warps),
     "kda_fwd_split": lambda warps: _kda_fwd("split", 64, warps),
     "kda_fwd_stream": lambda warps: _kda_fwd("stream", 128, warps),
+    "kda_fwd_kblock": lambda warps: _kda_fwd("kblock", 128, warps),
+    "kda_fwd_kblock64": lambda warps: _kda_fwd("kblock", 128, warps, intra_block=64),
     "kda_bwd": lambda _warps: _kda_bwd(),
     "moe_gate_up": lambda _warps: _moe_gate_up(),
     "moe_down": lambda _warps: _moe_down(),

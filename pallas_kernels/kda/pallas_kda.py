@@ -72,134 +72,20 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_math import BC, C, MID, NC
-from pallas_kernels.kda.chunk_math import CLAMP as _CLAMP
+from pallas_kernels.kda.chunk_math import BC, C, NC
 from pallas_kernels.kda.chunk_math import dot as _dot
+from pallas_kernels.kda.intra_blocks import (
+    activations, compiler_params, cumulative_gate, matmul_dtypes, row_blocks, store_row,
+    unit_lower_inverse, wu_row,
+)
+from pallas_kernels.kda.pallas_intra_kblock import intra_kblock
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
-try:  # Triton compiler params (GPU only); interpret mode ignores them.
-    from jax.experimental.pallas import triton as pl_triton
-except ImportError:  # pragma: no cover
-    pl_triton = None
-
 _F32 = jnp.float32
 LOWER_BOUND_MIN = -5.0
-INTRA_VARIANTS = ("v1", "split", "stream")
-
-
-def compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
-    """Triton launch parameters of a ``pl.pallas_call`` (none in interpret mode)."""
-    if interpret or pl_triton is None:
-        return {}
-    return dict(compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages))
-
-
-def matmul_dtypes(v: jax.Array) -> tuple[jnp.dtype, jnp.dtype]:
-    """(matmul operand dtype, stored-intermediate dtype): IEEE fp32 throughout for fp32 inputs,
-    else bf16 operands and intermediates in the input dtype (as fla)."""
-    return (_F32, _F32) if v.dtype == _F32 else (jnp.bfloat16, v.dtype)
-
-
-def _dot32(a, b):
-    return _dot(a, b, _F32)
-
-
-def _unit_lower_inverse(L):
-    """X = (I + L)^{-1} from the 16x16 blocks L[i, j] (j <= i) of a strictly lower L, in fp32.
-
-    Diagonal blocks: the exact Neumann product (I - L)(I + L^2)(I + L^4)(I + L^8) (L nilpotent of
-    order 16); below them block forward substitution X_ij = -X_ii sum_{j<=m<i} L_im X_mj.
-    """
-    eye = jnp.eye(BC, dtype=_F32)
-    X = {}
-    for i in range(NC):
-        Ld = L[i, i]
-        P = eye - Ld
-        Lp = _dot32(Ld, Ld)
-        P = _dot32(P, eye + Lp)
-        Lp = _dot32(Lp, Lp)
-        P = _dot32(P, eye + Lp)
-        Lp = _dot32(Lp, Lp)
-        X[i, i] = _dot32(P, eye + Lp)
-    for i in range(1, NC):
-        for j in range(i):
-            acc = _dot32(L[i, j], X[j, j])
-            for m in range(j + 1, i):
-                acc = acc + _dot32(L[i, m], X[m, j])
-            X[i, j] = -_dot32(X[i, i], acc)
-    return X
-
-
-def _activations(fused: bool, lower_bound: float, gs_ref, db_ref, h):
-    """(gate, l2, beta) input activations of one head in fp32: K3's fused ones
-    (``g = lb * sigmoid(exp(A_log) (g_raw + dt_bias))``, ``x rsqrt(sum x^2 + 1e-6)``, sigmoid),
-    or identities on pre-activated inputs."""
-    if not fused:
-        f32 = lambda x: x.astype(_F32)  # noqa: E731
-        return f32, f32, f32
-    gate_scale = gs_ref[h, :].astype(_F32)[None, :]
-    dt_bias = db_ref[h, :].astype(_F32)[None, :]
-
-    def gate(g):
-        return lower_bound * jax.nn.sigmoid(gate_scale * (g.astype(_F32) + dt_bias))
-
-    def l2(x):
-        x = x.astype(_F32)
-        return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6)
-
-    return gate, l2, lambda beta: jax.nn.sigmoid(beta.astype(_F32))
-
-
-def _cumulative_gate(g, carry, gate):
-    """One sub-chunk's in-chunk cumulative log-decay, continuing from ``carry`` (the previous
-    sub-chunk's last row). -> (G [BC, K], its last row)."""
-    G = jnp.cumsum(gate(g), axis=0) + carry[None, :]
-    rows = lax.broadcasted_iota(jnp.int32, G.shape, 0)
-    return G, jnp.sum(jnp.where(rows == BC - 1, G, 0.0), axis=0)
-
-
-def _row_blocks(i, qs, beta, ks, Gs, mm_dtype):
-    """Sub-chunk i's 16x16 blocks against sub-chunks j <= i (``ks``, ``Gs`` hold 0..i), with the
-    midpoint offset ``G_m`` of row sub-chunk i: ``L[i, j] = beta_i (k_i e^{G_i-G_m})
-    (k_j e^{G_m-G_j})^T`` and ``Aqk[i, j] = (qs_i e^{G_i-G_m}) (k_j e^{G_m-G_j})^T``, the diagonal
-    blocks masked (strictly / non-strictly lower). -> ([L[i, j]], [Aqk[i, j]]) for j = 0..i."""
-    rows = lax.broadcasted_iota(jnp.int32, ks[i].shape, 0)
-    ri = lax.broadcasted_iota(jnp.int32, (BC, BC), 0)
-    ci = lax.broadcasted_iota(jnp.int32, (BC, BC), 1)
-    G_m = jnp.sum(jnp.where(rows == MID, Gs[i], 0.0), axis=0)[None, :]
-    row_fac = jnp.exp(Gs[i] - G_m)
-    kl = ks[i] * row_fac
-    ql = qs * row_fac
-    L_row, A_row = [], []
-    for j in range(i + 1):
-        kr = ks[j] * jnp.exp(jnp.minimum(G_m - Gs[j], _CLAMP))
-        lk = _dot(kl, kr, mm_dtype, trans_b=True) * beta[:, None]
-        aq = _dot(ql, kr, mm_dtype, trans_b=True)
-        if i == j:
-            lk = jnp.where(ri > ci, lk, 0.0)
-            aq = jnp.where(ri >= ci, aq, 0.0)
-        L_row.append(lk)
-        A_row.append(aq)
-    return L_row, A_row
-
-
-def _wu_row(i, X, bk_of, bv_of, mm_dtype):
-    """Row block i of ``W = X (beta k e^G)`` and ``U = X (beta v)``: sums over j <= i in order, the
-    operands given per sub-chunk j by ``bk_of(j)`` / ``bv_of(j)`` (so a kernel may read v only here)."""
-    w = u = None
-    for j in range(i + 1):
-        dw, du = _dot(X[i, j], bk_of(j), mm_dtype), _dot(X[i, j], bv_of(j), mm_dtype)
-        w, u = (dw, du) if w is None else (w + dw, u + du)
-    return w, u
-
-
-def _store_row(ref, b, ts, h, blocks):
-    """One 16-row block row of a [C, C] lower-block-triangular matrix: ``blocks`` for j <= i,
-    zeros above."""
-    for j in range(NC):
-        blk = blocks[j] if j < len(blocks) else jnp.zeros((BC, BC), ref.dtype)
-        ref[b, ts, h, pl.ds(j * BC, BC)] = blk.astype(ref.dtype)
+INTRA_VARIANTS = ("v1", "split", "stream", "kblock")
+INTRA_BLOCK = 32  # channel block of intra="kblock"
 
 
 def _intra_kernel(
@@ -210,13 +96,13 @@ def _intra_kernel(
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     K = q_ref.shape[-1]
     t0 = c * C
-    gate, l2, beta_of = _activations(fused, lower_bound, gs_ref, db_ref, h)
+    gate, l2, beta_of = activations(fused, lower_bound, gs_ref, db_ref, h)
 
     qs, ks, vs, Gs, betas = [], [], [], [], []
     carry = jnp.zeros((K,), _F32)
     for i in range(NC):
         ts = pl.ds(t0 + i * BC, BC)
-        G, carry = _cumulative_gate(g_ref[b, ts, h, :], carry, gate)
+        G, carry = cumulative_gate(g_ref[b, ts, h, :], carry, gate)
         qs.append(l2(q_ref[b, ts, h, :]) * scale)
         ks.append(l2(k_ref[b, ts, h, :]))
         vs.append(v_ref[b, ts, h, :])
@@ -227,22 +113,22 @@ def _intra_kernel(
     # Intra-chunk blocks with the midpoint offset of the row sub-chunk.
     L, Aqk = {}, {}
     for i in range(NC):
-        L_row, Aqk[i] = _row_blocks(i, qs[i], betas[i], ks, Gs, mm_dtype)
+        L_row, Aqk[i] = row_blocks(i, qs[i], betas[i], ks, Gs, mm_dtype)
         L.update({(i, j): blk for j, blk in enumerate(L_row)})
 
-    X = _unit_lower_inverse(L)
+    X = unit_lower_inverse(L)
 
     sd = w_ref.dtype
     bk = [betas[j][:, None] * ks[j] * jnp.exp(Gs[j]) for j in range(NC)]
     bv = [betas[j][:, None] * vs[j].astype(_F32) for j in range(NC)]
     for i in range(NC):
         ts = pl.ds(t0 + i * BC, BC)
-        w, u = _wu_row(i, X, bk.__getitem__, bv.__getitem__, mm_dtype)
+        w, u = wu_row(i, X, bk.__getitem__, bv.__getitem__, mm_dtype)
         w_ref[b, ts, h, :] = w.astype(sd)
         u_ref[b, ts, h, :] = u.astype(u_ref.dtype)
         qg_ref[b, ts, h, :] = (qs[i] * jnp.exp(Gs[i])).astype(sd)
         kd_ref[b, ts, h, :] = (ks[i] * jnp.exp(G_last[None, :] - Gs[i])).astype(sd)
-        _store_row(a_ref, b, ts, h, Aqk[i])
+        store_row(a_ref, b, ts, h, Aqk[i])
     gl_ref[b, c, h, :] = jnp.exp(G_last)
 
 
@@ -265,12 +151,12 @@ def _intra_stream_kernel(
     K = q_ref.shape[-1]
     t0 = c * C
     sd = qg_ref.dtype
-    gate, l2, beta_of = _activations(fused, lower_bound, gs_ref, db_ref, h)
+    gate, l2, beta_of = activations(fused, lower_bound, gs_ref, db_ref, h)
     gates = lambda i: g_ref[b, pl.ds(t0 + i * BC, BC), h, :]  # noqa: E731
 
     G_last = jnp.zeros((K,), _F32)
     for i in range(NC):
-        _, G_last = _cumulative_gate(gates(i), G_last, gate)
+        _, G_last = cumulative_gate(gates(i), G_last, gate)
     gl_ref[b, c, h, :] = jnp.exp(G_last)
 
     ks, Gs, bks, betas, L = [], [], [], [], {}
@@ -278,7 +164,7 @@ def _intra_stream_kernel(
     for i in range(NC):
         ts = pl.ds(t0 + i * BC, BC)
         k = l2(k_ref[b, ts, h, :])
-        G, carry = _cumulative_gate(gates(i), carry, gate)
+        G, carry = cumulative_gate(gates(i), carry, gate)
         beta = beta_of(b_ref[b, ts, h])
         qs = l2(q_ref[b, ts, h, :]) * scale
         qg_ref[b, ts, h, :] = (qs * jnp.exp(G)).astype(sd)
@@ -287,17 +173,17 @@ def _intra_stream_kernel(
         betas.append(beta)
         ks.append(k)
         Gs.append(G)
-        L_row, A_row = _row_blocks(i, qs, beta, ks, Gs, mm_dtype)
+        L_row, A_row = row_blocks(i, qs, beta, ks, Gs, mm_dtype)
         L.update({(i, j): blk for j, blk in enumerate(L_row)})
-        _store_row(a_ref, b, ts, h, A_row)
+        store_row(a_ref, b, ts, h, A_row)
 
-    X = _unit_lower_inverse(L)
+    X = unit_lower_inverse(L)
 
     def beta_v(j):
         return betas[j][:, None] * v_ref[b, pl.ds(t0 + j * BC, BC), h, :].astype(_F32)
 
     for i in range(NC):
-        w, u = _wu_row(i, X, bks.__getitem__, beta_v, mm_dtype)
+        w, u = wu_row(i, X, bks.__getitem__, beta_v, mm_dtype)
         ts = pl.ds(t0 + i * BC, BC)
         w_ref[b, ts, h, :] = w.astype(sd)
         u_ref[b, ts, h, :] = u.astype(u_ref.dtype)
@@ -321,34 +207,34 @@ def _intra_solve_kernel(
     K = q_ref.shape[-1]
     t0 = c * C
     sd = qg_ref.dtype
-    gate, l2, beta_of = _activations(fused, lower_bound, gs_ref, db_ref, h)
+    gate, l2, beta_of = activations(fused, lower_bound, gs_ref, db_ref, h)
 
     ks, Gs, L = [], [], {}
     carry = jnp.zeros((K,), _F32)
     for i in range(NC):
         ts = pl.ds(t0 + i * BC, BC)
         k = l2(k_ref[b, ts, h, :])
-        G, carry = _cumulative_gate(g_ref[b, ts, h, :], carry, gate)
+        G, carry = cumulative_gate(g_ref[b, ts, h, :], carry, gate)
         beta = beta_of(b_ref[b, ts, h])
         qs = l2(q_ref[b, ts, h, :]) * scale
         qg_ref[b, ts, h, :] = (qs * jnp.exp(G)).astype(sd)
         bk_ref[b, ts, h, :] = (beta[:, None] * k * jnp.exp(G)).astype(sd)
         ks.append(k)
         Gs.append(G)
-        L_row, A_row = _row_blocks(i, qs, beta, ks, Gs, mm_dtype)
+        L_row, A_row = row_blocks(i, qs, beta, ks, Gs, mm_dtype)
         L.update({(i, j): blk for j, blk in enumerate(L_row)})
-        _store_row(a_ref, b, ts, h, A_row)
+        store_row(a_ref, b, ts, h, A_row)
 
     # G_last is the cumsum's own last row (not a separate sum of the gates), so that the last
     # row of Kd = k e^{G_last - G} is exactly k: a second summation order is off by ~1e-5
     # relative at G_last ~ -160, which would show directly in the state.
     G_last = carry
     gl_ref[b, c, h, :] = jnp.exp(G_last)
-    X = _unit_lower_inverse(L)
+    X = unit_lower_inverse(L)
     for i in range(NC):
         ts = pl.ds(t0 + i * BC, BC)
         kd_ref[b, ts, h, :] = (ks[i] * jnp.exp(G_last[None, :] - Gs[i])).astype(sd)
-        _store_row(x_ref, b, ts, h, [X[i, j] for j in range(i + 1)])
+        store_row(x_ref, b, ts, h, [X[i, j] for j in range(i + 1)])
 
 
 def _intra_wu_kernel(x_ref, bk_ref, v_ref, b_ref, w_ref, u_ref, *, mm_dtype, fused):
@@ -439,12 +325,12 @@ def intra_split(ins, *, scale, fused, lower_bound, interpret, params):
     jax.jit,
     static_argnames=(
         "scale", "interpret", "fused", "lower_bound", "block_v", "num_warps", "num_stages",
-        "intra", "intra_warps",
+        "intra", "intra_warps", "intra_block",
     ),
 )
 def _pallas_chunk_kda(
     q, k, v, g, beta, initial_state, gate_scale, dt_bias, chunk_offsets=None, *, scale,
-    interpret, fused, lower_bound, block_v, num_warps, num_stages, intra, intra_warps,
+    interpret, fused, lower_bound, block_v, num_warps, num_stages, intra, intra_warps, intra_block,
 ):
     """``chunk_offsets`` (int32 [N + 1], traced) marks a chunk-aligned packed batch (B == 1)."""
     B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
@@ -460,6 +346,10 @@ def _pallas_chunk_kda(
         _, w, u, qg, kd, aqk, gl = intra_split(ins, scale=scale, fused=fused,
                                                lower_bound=lower_bound, interpret=interpret,
                                                params=intra_params)
+    elif intra == "kblock":
+        w, u, qg, kd, aqk, gl = intra_kblock(ins, scale=scale, fused=fused,
+                                             lower_bound=lower_bound, block=intra_block,
+                                             interpret=interpret, params=intra_params)
     else:
         intra_fn = functools.partial(
             _intra_stream_kernel if intra == "stream" else _intra_kernel, scale=scale,
@@ -538,6 +428,7 @@ def pallas_chunk_kda(
     num_stages: int = 1,
     intra: str | None = None,
     intra_warps: int | None = None,
+    intra_block: int = INTRA_BLOCK,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked KDA forward (safe gate, pre-activated inputs; fla conventions).
 
@@ -546,11 +437,12 @@ def pallas_chunk_kda(
     final state fp32 [B, H, K, V])``. ``interpret`` defaults to True off GPU.
     ``cu_seqlens``: host int offsets [N + 1] of packed sequences (B == 1); then initial_state
     and the final state are [N, H, K, V] and no state crosses a sequence boundary.
-    ``intra``: "v1" | "split" | "stream" (same outputs; default by ``default_tiles``);
-    ``intra_warps``: num_warps of the intra-stage kernel(s) (default ``num_warps``).
+    ``intra``: "v1" | "split" | "stream" | "kblock" (same quantities; default by
+    ``default_tiles``); ``intra_warps``: num_warps of the intra-stage kernel(s) (default
+    ``num_warps``); ``intra_block``: the channel block of "kblock" (a power of two).
     """
     return _call(q, k, v, g, beta, None, None, scale, initial_state, interpret, False, 0.0,
-                 block_v, num_warps, num_stages, intra, intra_warps, cu_seqlens)
+                 block_v, num_warps, num_stages, intra, intra_warps, intra_block, cu_seqlens)
 
 
 def pallas_chunk_kda_fused_gate(
@@ -572,6 +464,7 @@ def pallas_chunk_kda_fused_gate(
     num_stages: int = 1,
     intra: str | None = None,
     intra_warps: int | None = None,
+    intra_block: int = INTRA_BLOCK,
 ) -> tuple[jax.Array, jax.Array]:
     """As ``pallas_chunk_kda`` with K3's input activations fused into the intra kernel.
 
@@ -589,11 +482,11 @@ def pallas_chunk_kda_fused_gate(
     dt = dt_bias.astype(_F32).reshape(H, K)
     return _call(q, k, v, g_raw, beta_logits, gate_scale, dt, scale, initial_state, interpret,
                  True, float(lower_bound), block_v, num_warps, num_stages, intra, intra_warps,
-                 cu_seqlens)
+                 intra_block, cu_seqlens)
 
 
 def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret, fused,
-          lower_bound, block_v, num_warps, num_stages, intra, intra_warps, cu_seqlens):
+          lower_bound, block_v, num_warps, num_stages, intra, intra_warps, intra_block, cu_seqlens):
     B, T, H, K = q.shape
     V = v.shape[-1]
     if interpret is None:
@@ -610,8 +503,9 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
     intra = auto_intra if intra is None else intra
     if intra not in INTRA_VARIANTS:
         raise ValueError(f"intra: expected one of {INTRA_VARIANTS}, got {intra!r}")
-    if not _is_pow2(block_v) or block_v < 16:
-        raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
+    for name, blk in (("block_v", block_v), ("intra_block", intra_block)):
+        if not _is_pow2(blk) or blk < 16:
+            raise ValueError(f"{name}: expected a power of two >= 16, got {blk}")
     scale = K**-0.5 if scale is None else float(scale)
     # Padding steps are identities: k = v = 0, beta = 0 and g = 0; with the fused activations the
     # gate and beta pre-activations are padded with -inf (sigmoid(-inf) = 0). Padding happens
@@ -621,6 +515,7 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         scale=scale, interpret=bool(interpret), fused=fused, lower_bound=lower_bound,
         block_v=block_v if V % block_v == 0 else V, num_warps=num_warps, num_stages=num_stages,
         intra=intra, intra_warps=num_warps if intra_warps is None else intra_warps,
+        intra_block=intra_block,
     )
     if cu_seqlens is not None:
         return _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens,
