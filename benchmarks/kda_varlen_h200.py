@@ -32,7 +32,9 @@ D = 128
 H_CHECK = 4
 MIXES = [(1, 63, 64, 65, 130), (1000, 1, 2047, 64, 333, 4), (4096,), (17,) * 8]
 N_SEQ, TOTAL, H_TIME = 16, 32768, 96
-NUMERICS_BUDGET_S = 90.0  # no new numerics case after this (each new shape is a Triton compile)
+# no new numerics case after this (each new shape is a Triton compile); KDA_VARLEN_NUMERICS_S=0
+# goes straight to the timing (the numerics are recorded in benchmarks/RESULTS.md)
+NUMERICS_BUDGET_S = float(os.environ.get("KDA_VARLEN_NUMERICS_S", "90"))
 BUDGET_S = 170.0  # no new case at all after this
 
 

@@ -51,13 +51,12 @@ Triton constraints: K, V and BV must be powers of two >= 16.
 
 Measured on one H200 (2026-11-29, benchmarks/RESULTS.md): B4 T8192 H96 D128 bf16 13.8 ms with
 the fused activations (fla-core 9.95 ms in the same job), B1 T32768 H16 4.03 ms (fla 2.28 ms,
-other job); bf16 error vs the
-fp32 reference equal to fla's. Defaults: ``num_warps=8, num_stages=1`` and ``default_tiles``
+other job); bf16 error vs the fp32 reference equal to fla's. Defaults: ``num_warps=8, num_stages=1`` and ``default_tiles``
 (block_v and intra variant by the number of sequence-heads), the fastest measured.
 ``intra="split"`` runs the intra stage as two kernels (``_intra_solve_kernel``,
-``_intra_wu_kernel``) with a smaller register set per kernel; ``intra="stream"``
-(``_intra_stream_kernel``) is v1 reordered to a smaller live set, meant for ``intra_warps=16``
-(25% occupancy instead of 12.5%; not yet timed).
+``_intra_wu_kernel``) with a smaller register set per kernel. Variants measured slower on the
+H200 and removed (benchmarks/RESULTS.md): "lean", "blocks", "stream" (v1 reordered for 16 warps)
+and "kblock" (sums over key-channel blocks).
 
 Requires the safe gate: a step with ``g < -5`` (more precisely, > 35-40 nats of decay inside a
 16-token sub-chunk) can overflow the midpoint factorisation; use the XLA reference otherwise.
@@ -78,14 +77,12 @@ from pallas_kernels.kda.intra_blocks import (
     activations, compiler_params, cumulative_gate, matmul_dtypes, row_blocks, store_row,
     unit_lower_inverse, wu_row,
 )
-from pallas_kernels.kda.pallas_intra_kblock import intra_kblock
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
 _F32 = jnp.float32
 LOWER_BOUND_MIN = -5.0
-INTRA_VARIANTS = ("v1", "split", "stream", "kblock")
-INTRA_BLOCK = 32  # channel block of intra="kblock"
+INTRA_VARIANTS = ("v1", "split")
 
 
 def _intra_kernel(
@@ -130,63 +127,6 @@ def _intra_kernel(
         kd_ref[b, ts, h, :] = (ks[i] * jnp.exp(G_last[None, :] - Gs[i])).astype(sd)
         store_row(a_ref, b, ts, h, Aqk[i])
     gl_ref[b, c, h, :] = jnp.exp(G_last)
-
-
-def _intra_stream_kernel(
-    q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, lower_bound,
-):
-    """``intra="stream"``: v1's outputs, bit for bit, from a smaller live set.
-
-    A first pass over the gates gives ``G_last`` (the same cumsum chain as the main pass, so the
-    same bits), which lets each sub-chunk's Qg, Kd and Aqk row block be stored as soon as the
-    sub-chunk is loaded; only k and G of the earlier sub-chunks stay live (the column factors),
-    ``beta k e^G`` is kept in the matmul dtype (its only use), and v is read inside the W/U
-    products. Costs a second evaluation of the gate activation. Offline (ptxas for sm_90,
-    benchmarks/RESULTS.md) it spills 216 / 244 B per thread at 16 warps where v1 spills
-    780 / 1012; not yet timed on a GPU.
-    """
-    gs_ref, db_ref, rest = (*rest[:2], rest[2:]) if fused else (None, None, rest)
-    w_ref, u_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    K = q_ref.shape[-1]
-    t0 = c * C
-    sd = qg_ref.dtype
-    gate, l2, beta_of = activations(fused, lower_bound, gs_ref, db_ref, h)
-    gates = lambda i: g_ref[b, pl.ds(t0 + i * BC, BC), h, :]  # noqa: E731
-
-    G_last = jnp.zeros((K,), _F32)
-    for i in range(NC):
-        _, G_last = cumulative_gate(gates(i), G_last, gate)
-    gl_ref[b, c, h, :] = jnp.exp(G_last)
-
-    ks, Gs, bks, betas, L = [], [], [], [], {}
-    carry = jnp.zeros((K,), _F32)
-    for i in range(NC):
-        ts = pl.ds(t0 + i * BC, BC)
-        k = l2(k_ref[b, ts, h, :])
-        G, carry = cumulative_gate(gates(i), carry, gate)
-        beta = beta_of(b_ref[b, ts, h])
-        qs = l2(q_ref[b, ts, h, :]) * scale
-        qg_ref[b, ts, h, :] = (qs * jnp.exp(G)).astype(sd)
-        kd_ref[b, ts, h, :] = (k * jnp.exp(G_last[None, :] - G)).astype(sd)
-        bks.append((beta[:, None] * k * jnp.exp(G)).astype(mm_dtype))
-        betas.append(beta)
-        ks.append(k)
-        Gs.append(G)
-        L_row, A_row = row_blocks(i, qs, beta, ks, Gs, mm_dtype)
-        L.update({(i, j): blk for j, blk in enumerate(L_row)})
-        store_row(a_ref, b, ts, h, A_row)
-
-    X = unit_lower_inverse(L)
-
-    def beta_v(j):
-        return betas[j][:, None] * v_ref[b, pl.ds(t0 + j * BC, BC), h, :].astype(_F32)
-
-    for i in range(NC):
-        w, u = wu_row(i, X, bks.__getitem__, beta_v, mm_dtype)
-        ts = pl.ds(t0 + i * BC, BC)
-        w_ref[b, ts, h, :] = w.astype(sd)
-        u_ref[b, ts, h, :] = u.astype(u_ref.dtype)
 
 
 def _intra_solve_kernel(
@@ -325,12 +265,12 @@ def intra_split(ins, *, scale, fused, lower_bound, interpret, params):
     jax.jit,
     static_argnames=(
         "scale", "interpret", "fused", "lower_bound", "block_v", "num_warps", "num_stages",
-        "intra", "intra_warps", "intra_block",
+        "intra", "intra_warps",
     ),
 )
 def _pallas_chunk_kda(
     q, k, v, g, beta, initial_state, gate_scale, dt_bias, chunk_offsets=None, *, scale,
-    interpret, fused, lower_bound, block_v, num_warps, num_stages, intra, intra_warps, intra_block,
+    interpret, fused, lower_bound, block_v, num_warps, num_stages, intra, intra_warps,
 ):
     """``chunk_offsets`` (int32 [N + 1], traced) marks a chunk-aligned packed batch (B == 1)."""
     B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
@@ -346,14 +286,9 @@ def _pallas_chunk_kda(
         _, w, u, qg, kd, aqk, gl = intra_split(ins, scale=scale, fused=fused,
                                                lower_bound=lower_bound, interpret=interpret,
                                                params=intra_params)
-    elif intra == "kblock":
-        w, u, qg, kd, aqk, gl = intra_kblock(ins, scale=scale, fused=fused,
-                                             lower_bound=lower_bound, block=intra_block,
-                                             interpret=interpret, params=intra_params)
     else:
         intra_fn = functools.partial(
-            _intra_stream_kernel if intra == "stream" else _intra_kernel, scale=scale,
-            mm_dtype=mm_dtype, fused=fused, lower_bound=lower_bound,
+            _intra_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused, lower_bound=lower_bound,
         )
         w, u, qg, kd, aqk, gl = pl.pallas_call(
             intra_fn,
@@ -367,7 +302,7 @@ def _pallas_chunk_kda(
                 jax.ShapeDtypeStruct((B, n, H, K), _F32),
             ),
             interpret=interpret,
-            name="kda_intra_stream" if intra == "stream" else "kda_intra_safe_gate",
+            name="kda_intra_safe_gate",
             **intra_params,
         )(*ins)
 
@@ -428,7 +363,6 @@ def pallas_chunk_kda(
     num_stages: int = 1,
     intra: str | None = None,
     intra_warps: int | None = None,
-    intra_block: int = INTRA_BLOCK,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked KDA forward (safe gate, pre-activated inputs; fla conventions).
 
@@ -437,12 +371,11 @@ def pallas_chunk_kda(
     final state fp32 [B, H, K, V])``. ``interpret`` defaults to True off GPU.
     ``cu_seqlens``: host int offsets [N + 1] of packed sequences (B == 1); then initial_state
     and the final state are [N, H, K, V] and no state crosses a sequence boundary.
-    ``intra``: "v1" | "split" | "stream" | "kblock" (same quantities; default by
-    ``default_tiles``); ``intra_warps``: num_warps of the intra-stage kernel(s) (default
-    ``num_warps``); ``intra_block``: the channel block of "kblock" (a power of two).
+    ``intra``: "v1" | "split" (same quantities; default by ``default_tiles``);
+    ``intra_warps``: num_warps of the intra-stage kernel(s) (default ``num_warps``).
     """
     return _call(q, k, v, g, beta, None, None, scale, initial_state, interpret, False, 0.0,
-                 block_v, num_warps, num_stages, intra, intra_warps, intra_block, cu_seqlens)
+                 block_v, num_warps, num_stages, intra, intra_warps, cu_seqlens)
 
 
 def pallas_chunk_kda_fused_gate(
@@ -464,7 +397,6 @@ def pallas_chunk_kda_fused_gate(
     num_stages: int = 1,
     intra: str | None = None,
     intra_warps: int | None = None,
-    intra_block: int = INTRA_BLOCK,
 ) -> tuple[jax.Array, jax.Array]:
     """As ``pallas_chunk_kda`` with K3's input activations fused into the intra kernel.
 
@@ -482,11 +414,11 @@ def pallas_chunk_kda_fused_gate(
     dt = dt_bias.astype(_F32).reshape(H, K)
     return _call(q, k, v, g_raw, beta_logits, gate_scale, dt, scale, initial_state, interpret,
                  True, float(lower_bound), block_v, num_warps, num_stages, intra, intra_warps,
-                 intra_block, cu_seqlens)
+                 cu_seqlens)
 
 
 def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret, fused,
-          lower_bound, block_v, num_warps, num_stages, intra, intra_warps, intra_block, cu_seqlens):
+          lower_bound, block_v, num_warps, num_stages, intra, intra_warps, cu_seqlens):
     B, T, H, K = q.shape
     V = v.shape[-1]
     if interpret is None:
@@ -503,9 +435,8 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
     intra = auto_intra if intra is None else intra
     if intra not in INTRA_VARIANTS:
         raise ValueError(f"intra: expected one of {INTRA_VARIANTS}, got {intra!r}")
-    for name, blk in (("block_v", block_v), ("intra_block", intra_block)):
-        if not _is_pow2(blk) or blk < 16:
-            raise ValueError(f"{name}: expected a power of two >= 16, got {blk}")
+    if not _is_pow2(block_v) or block_v < 16:
+        raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
     scale = K**-0.5 if scale is None else float(scale)
     # Padding steps are identities: k = v = 0, beta = 0 and g = 0; with the fused activations the
     # gate and beta pre-activations are padded with -inf (sigmoid(-inf) = 0). Padding happens
@@ -515,7 +446,6 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         scale=scale, interpret=bool(interpret), fused=fused, lower_bound=lower_bound,
         block_v=block_v if V % block_v == 0 else V, num_warps=num_warps, num_stages=num_stages,
         intra=intra, intra_warps=num_warps if intra_warps is None else intra_warps,
-        intra_block=intra_block,
     )
     if cu_seqlens is not None:
         return _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens,
