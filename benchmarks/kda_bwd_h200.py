@@ -173,9 +173,11 @@ def run_jax():
         return jax.jit(f)
 
     # ---- numerics: ours (fp32 and bf16) and fla vs autodiff of the fp32 reference -----------
-    stages_only = sys.argv[2:] == ["stages"]  # `... jax stages`: only the per-stage timing
+    # `... jax stages`: only the per-stage timing; `... jax essentials`: only the whole-call timing
+    stages_only = sys.argv[2:] == ["stages"]
+    essentials_only = sys.argv[2:] == ["essentials"]
     try:
-        if stages_only:
+        if stages_only or essentials_only:
             raise _Skip
         x = dict(np.load(CMP)) if os.path.exists(CMP) else np_case(*CHECK)
         j32 = {n: jnp.asarray(x[n]) for n in NAMES + ("do", "dht")}
@@ -299,7 +301,7 @@ def run_jax():
         (SHAPES[1], (("blocked", 32, 8, 1), ("blocked", 32, 4, 1)), ((8, 1), (4, 1)),
          ((32, 8), (32, 4))),
     ]
-    for shape, *cfgs in sweeps:
+    for shape, *cfgs in [] if essentials_only else sweeps:
         try:
             stages(shape, *cfgs)
         except Exception:

@@ -159,9 +159,11 @@ FEW_SEQUENCE_HEADS = 128  # as the forward's tile choice (pallas_kda.default_til
 
 def default_block_v(sequence_heads: int) -> int:
     """V block of the state recurrences: one program per (sequence, head, V block) walks all
-    chunks, so with few sequence-heads (B1 H16: 32 programs at 64 for 132 SMs) narrower blocks
-    buy parallelism, as measured for the forward's recurrence; not yet measured for these."""
-    return 32 if sequence_heads < FEW_SEQUENCE_HEADS else 64
+    chunks, so with few sequence-heads (B1 H16: 64 programs at 32 for 132 SMs) narrower blocks
+    buy parallelism. With many, whole 128-wide blocks at the default 8 warps: on an H200 at B4
+    T8192 H96 the two recurrences took 2.11 + 3.03 ms at 128 vs 3.09 + 4.39 at 64
+    (benchmarks/RESULTS.md)."""
+    return 32 if sequence_heads < FEW_SEQUENCE_HEADS else 128
 
 
 def pallas_chunk_kda_bwd(
