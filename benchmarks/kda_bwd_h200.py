@@ -250,17 +250,17 @@ def run_jax():
             lambda *a: pallas_chunk_kda(*a[:5], scale=scale, initial_state=a[5])), args[:6]))
         attempt(r, "ours_bwd_ms", lambda: bench(
             jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale)), args))
-        for grads, nw, gw in variants:
-            tag = f"ours_bwd_{grads}_w{nw}" + (f"_gw{gw}" if gw else "")
-            attempt(r, f"{tag}_ms", lambda grads=grads, nw=nw, gw=gw: bench(
-                jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale, grads=grads,
-                                                           num_warps=nw, grads_warps=gw)), args),
+        for nw, gw in variants:
+            tag = f"ours_bwd_w{nw}" + (f"_gw{gw}" if gw else "")
+            attempt(r, f"{tag}_ms", lambda nw=nw, gw=gw: bench(
+                jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale, num_warps=nw,
+                                                           grads_warps=gw)), args),
                     budget=240)
             save(res, out)
         save(res, out)
 
     if not stages_only:  # the default (8 warps everywhere) first, then the runners-up
-        variants = (("blocked", 4, None), ("blocked", 4, 8), ("fused_blocked", 8, None))
+        variants = ((4, None), (4, 8))  # (num_warps, grads_warps)
         essentials(*SHAPES[0], variants)
         essentials(*SHAPES[1], variants)
     for shape in SHAPES:
@@ -286,20 +286,18 @@ def run_jax():
                 (qg, W, aqk, kd, gl, do, dht)))
             save(res, out)
 
-        for variant, gbv, nw, ns in grads_cfgs:
-            tag = f"stage_grads_{variant}_bv{gbv}_w{nw}_s{ns}_ms"
-            attempt(r, tag, lambda variant=variant, gbv=gbv, nw=nw, ns=ns: bench(
-                lambda *a: pb.stage_grads(*a, scale=scale, block_v=gbv, variant=variant,
-                                          **tun(nw, ns)),
+        for gbv, nw, ns in grads_cfgs:
+            tag = f"stage_grads_bv{gbv}_w{nw}_s{ns}_ms"
+            attempt(r, tag, lambda gbv=gbv, nw=nw, ns=ns: bench(
+                lambda *a: pb.stage_grads(*a, scale=scale, block_v=gbv, **tun(nw, ns)),
                 (q, k, v, g, beta, A, W, U, hs, dhs, do, dvn)))
             save(res, out)
 
+    # (shape, grads (block_v, warps, stages), parts (warps, stages), states (block_v, warps))
     sweeps = [
-        (SHAPES[0], (("blocked", 32, 8, 1), ("blocked", 32, 16, 1), ("blocked", 16, 8, 1),
-                     ("blocked", 32, 8, 2), ("split", 32, 8, 1), ("blocked", 32, 2, 1)),
+        (SHAPES[0], ((32, 8, 1), (32, 16, 1), (16, 8, 1), (32, 8, 2), (32, 2, 1)),
          ((8, 1), (16, 1)), ((64, 8),)),
-        (SHAPES[1], (("blocked", 32, 8, 1), ("blocked", 32, 4, 1)), ((8, 1), (4, 1)),
-         ((32, 8), (32, 4))),
+        (SHAPES[1], ((32, 8, 1), (32, 4, 1)), ((8, 1), (4, 1)), ((32, 8), (32, 4))),
     ]
     for shape, *cfgs in [] if essentials_only else sweeps:
         try:

@@ -1,4 +1,4 @@
-"""Key-side KDA chunk gradients in 16-row sub-chunk blocks (``grads="blocked"``, "fused_blocked").
+"""Key side of the KDA backward's per-chunk gradient pass, in 16-row sub-chunk blocks.
 
 Same result as ``chunk_math.key_grads`` (dq, dk, dg, dbeta of one chunk from the V sums), but the
 pairwise terms through ``L`` and ``Aqk`` are taken block by block: for every sub-chunk pair
@@ -90,7 +90,7 @@ def _key_side(b, h, c, q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dq_ref, dk_ref,
 def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dqg_ref, dw_ref, dkd_ref,
                        daqk_ref, dlu_ref, dgl_ref, dbv_ref, dq_ref, dk_ref, dg_ref, db_ref, *,
                        scale, mm_dtype):
-    """``grads="blocked"``: the key side from the V sums that ``value_kernel`` left in HBM."""
+    """dq, dk, dg, dbeta of one chunk from the V sums that ``value_kernel`` left in HBM."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t0 = c * C
     rs = lambda i: pl.ds(t0 + i * BC, BC)  # noqa: E731
@@ -105,65 +105,6 @@ def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dqg_ref, dw_ref
         daqk=lambda i, j: blk(daqk_ref, i, j),
         dbv=lambda i: dbv_ref[b, rs(i), h],
         dgl=dgl_ref[b, c, h, :][None, :],
-    )
-    _key_side(b, h, c, q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dq_ref, dk_ref, dg_ref, db_ref,
-              sums, scale=scale, mm_dtype=mm_dtype)
-
-
-def grads_kernel_blocked(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref,
-                         do_ref, dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, scale,
-                         mm_dtype, bv):
-    """``grads="fused_blocked"``: one kernel; the V loop accumulates the V sums already by row
-    block (and the [16, 16] blocks of dAqk and dLU with ``j <= i`` only), so the blocked key side
-    reads them from registers instead of HBM."""
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t0 = c * C
-    ts, rs = pl.ds(t0, C), (lambda i: pl.ds(t0 + i * BC, BC))
-    K, V = hs_ref.shape[-2:]
-    betas = [b_ref[b, rs(i), h].astype(_F32)[:, None] for i in range(NC)]
-    Ws = [w_ref[b, rs(j), h, :] for j in range(NC)]  # matmul operands: stored dtype
-
-    def body(iv, acc):
-        vs = pl.ds(iv * bv, bv)
-        ld = lambda ref, i: ref[b, rs(i), h, vs].astype(_F32)  # noqa: E731
-        hv = hs_ref[b, c, h, :, vs].astype(_F32)
-        dhv = dhs_ref[b, c, h, :, vs].astype(_F32)
-        dvn_all = dvn_ref[b, ts, h, vs]
-        Us = [ld(u_ref, j) for j in range(NC)]
-        vns = [Us[j] - dot(Ws[j], hv, mm_dtype) for j in range(NC)]
-        new = dict(acc, dgl=acc["dgl"] + jnp.sum(hv * dhv, axis=1)[None, :])
-        for i in range(NC):
-            do_i, dvn_i = ld(do_ref, i), ld(dvn_ref, i)
-            yu = dot(a_ref[b, ts, h, pl.ds(i * BC, BC)], dvn_all, mm_dtype, trans_a=True)
-            dv_ref[b, rs(i), h, vs] = (betas[i] * yu).astype(dv_ref.dtype)
-            new[f"dqg{i}"] = acc[f"dqg{i}"] + dot(do_i, hv, mm_dtype, trans_b=True)
-            new[f"dw{i}"] = acc[f"dw{i}"] - dot(dvn_i, hv, mm_dtype, trans_b=True)
-            new[f"dkd{i}"] = acc[f"dkd{i}"] + dot(vns[i], dhv, mm_dtype, trans_b=True)
-            new[f"dbv{i}"] = acc[f"dbv{i}"] + jnp.sum(yu * ld(v_ref, i), axis=1)
-            for j in range(i + 1):
-                new[f"daqk{i}{j}"] = acc[f"daqk{i}{j}"] + dot(do_i, vns[j], mm_dtype, trans_b=True)
-                new[f"dlu{i}{j}"] = acc[f"dlu{i}{j}"] + dot(yu, Us[j], mm_dtype, trans_b=True)
-        return new
-
-    z = lambda *s: jnp.zeros(s, _F32)  # noqa: E731
-    init = dict(dgl=z(1, K))
-    for i in range(NC):
-        init.update({f"dqg{i}": z(BC, K), f"dw{i}": z(BC, K), f"dkd{i}": z(BC, K),
-                     f"dbv{i}": z(BC)})
-        init.update({f"{n}{i}{j}": z(BC, BC) for n in ("daqk", "dlu") for j in range(i + 1)})
-    acc = lax.fori_loop(0, V // bv, body, init)
-
-    def yw(i):  # (A^T dW)_i = sum_{j >= i} A[j, i]^T dW_j
-        out = None
-        for j in range(i, NC):
-            p = dot(a_ref[b, rs(j), h, pl.ds(i * BC, BC)], acc[f"dw{j}"], mm_dtype, trans_a=True)
-            out = p if out is None else out + p
-        return out
-
-    sums = dict(
-        dqg=lambda i: acc[f"dqg{i}"], dkd=lambda i: acc[f"dkd{i}"], yw=yw,
-        dlu=lambda i, j: acc[f"dlu{i}{j}"], daqk=lambda i, j: acc[f"daqk{i}{j}"],
-        dbv=lambda i: acc[f"dbv{i}"], dgl=acc["dgl"],
     )
     _key_side(b, h, c, q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dq_ref, dk_ref, dg_ref, db_ref,
               sums, scale=scale, mm_dtype=mm_dtype)

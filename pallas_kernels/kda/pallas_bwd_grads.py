@@ -1,10 +1,10 @@
-"""Per-chunk gradient kernels of the KDA backward (``grads="fused"`` and ``"split"``).
+"""Value side of the KDA backward's per-chunk gradient pass: ``value_kernel``.
 
-Bodies for grid ``(B, H, N)``: each program loads one 64-token chunk and applies
-``chunk_math.value_terms`` (accumulated over V blocks) and ``chunk_math.key_grads``. ``"fused"``
-does both in ``grads_kernel``; ``"split"`` runs ``value_kernel`` (dv and the V sums, fp32 to HBM)
-then ``key_kernel``, two smaller live sets for one more HBM round trip. ``pallas_bwd_blocked.py``
-holds the third key-side variant, which reads the same V sums.
+Body for grid ``(B, H, N)``: each program loads one 64-token chunk, applies
+``chunk_math.value_terms`` accumulated over V blocks, stores dv and writes the V sums to HBM for
+``pallas_bwd_blocked.key_kernel_blocked``, the key side. (The whole-chunk "fused"/"split" and the
+one-kernel "fused_blocked" variants were measured 2.2x / 16x slower on the H200 and removed; see
+benchmarks/RESULTS.md.)
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_math import C, key_grads, value_terms
+from pallas_kernels.kda.chunk_math import C, value_terms
 
 _F32 = jnp.float32
 
@@ -43,18 +43,6 @@ def _value_sums(b, h, c, A, W, beta, u_ref, v_ref, hs_ref, dhs_ref, do_ref, dvn_
     return lax.fori_loop(0, V // bv, body, init)
 
 
-def _store_key_grads(b, h, c, A, W, beta, sums, q_ref, k_ref, g_ref, dq_ref, dk_ref, dg_ref,
-                     db_ref, *, scale, mm_dtype) -> None:
-    ts = pl.ds(c * C, C)
-    dqs, dk, dg, dbeta = key_grads(q_ref[b, ts, h, :].astype(_F32) * scale,
-                                   k_ref[b, ts, h, :].astype(_F32), g_ref[b, ts, h, :].astype(_F32),
-                                   beta, A, W, sums, mm_dtype)
-    dq_ref[b, ts, h, :] = (dqs * scale).astype(dq_ref.dtype)
-    dk_ref[b, ts, h, :] = dk.astype(dk_ref.dtype)
-    dg_ref[b, ts, h, :] = dg.astype(dg_ref.dtype)
-    db_ref[b, ts, h] = dbeta.astype(db_ref.dtype)
-
-
 def _chunk_inputs(a_ref, w_ref, b_ref):
     """Program ids, then A and W (matmul operands only: kept in the stored dtype) and beta."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -62,20 +50,10 @@ def _chunk_inputs(a_ref, w_ref, b_ref):
     return b, h, c, a_ref[b, ts, h, :], w_ref[b, ts, h, :], b_ref[b, ts, h].astype(_F32)
 
 
-def grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref,
-                 dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, scale, mm_dtype, bv):
-    """One chunk's gradients in one kernel (``grads="fused"``)."""
-    b, h, c, A, W, beta = _chunk_inputs(a_ref, w_ref, b_ref)
-    sums = _value_sums(b, h, c, A, W, beta, u_ref, v_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
-                       bv=bv, mm_dtype=mm_dtype)
-    _store_key_grads(b, h, c, A, W, beta, sums, q_ref, k_ref, g_ref, dq_ref, dk_ref, dg_ref,
-                     db_ref, scale=scale, mm_dtype=mm_dtype)
-
-
 def value_kernel(v_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
                  *sum_refs, mm_dtype, bv):
-    """First half of ``grads="split"`` / ``"blocked"``: dv and the V sums to HBM (fp32; dW, only
-    ever a matmul operand, in the operand dtype)."""
+    """dv and the V sums to HBM (fp32; dW, only ever a matmul operand, in the operand dtype),
+    so that the key side runs as a second kernel with its own, smaller live set."""
     b, h, c, A, W, beta = _chunk_inputs(a_ref, w_ref, b_ref)
     sums = _value_sums(b, h, c, A, W, beta, u_ref, v_ref, hs_ref, dhs_ref, do_ref, dvn_ref, dv_ref,
                        bv=bv, mm_dtype=mm_dtype)
@@ -87,20 +65,3 @@ def value_kernel(v_ref, b_ref, a_ref, w_ref, u_ref, hs_ref, dhs_ref, do_ref, dvn
             ref[b, ts, h] = sums[name]
         else:
             ref[b, ts, h, :] = sums[name].astype(ref.dtype)
-
-
-def key_kernel(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, *refs, scale, mm_dtype):
-    """Second half of ``grads="split"``: dq, dk, dg, dbeta from the stored V sums."""
-    *sum_refs, dq_ref, dk_ref, dg_ref, db_ref = refs
-    b, h, c, A, W, beta = _chunk_inputs(a_ref, w_ref, b_ref)
-    ts = pl.ds(c * C, C)
-    sums = {}
-    for name, ref in zip(SUMS, sum_refs):
-        if name == "dgl":
-            sums[name] = ref[b, c, h, :][None, :]
-        elif name == "dbeta":
-            sums[name] = ref[b, ts, h]
-        else:
-            sums[name] = ref[b, ts, h, :]
-    _store_key_grads(b, h, c, A, W, beta, sums, q_ref, k_ref, g_ref, dq_ref, dk_ref, dg_ref,
-                     db_ref, scale=scale, mm_dtype=mm_dtype)

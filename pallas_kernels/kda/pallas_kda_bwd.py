@@ -10,10 +10,11 @@ the entry point; kernel bodies in ``pallas_bwd_states.py``, ``pallas_bwd_grads.p
    again (storing every chunk's input state ``h``), then the reverse one for ``dh`` and
    ``dv_new``, with the state on chip; the reverse one's last value is the initial state's
    gradient.
-3. ``stage_grads``, grid ``(B, H, N)``, parallel: dq, dk, dv, dg, dbeta of every chunk, in one
-   kernel (``grads="fused"``) or two (the V-contracting sums through HBM, then the key side as
-   whole-chunk products, ``"split"``, or in 16-row blocks with ~5x fewer multiply-adds,
-   ``"blocked"``).
+3. ``stage_grads``, grid ``(B, H, N)``, parallel: dq, dk, dv, dg, dbeta of every chunk, in two
+   kernels: dv and the V-contracting sums (through HBM), then the key side in 16-row blocks with
+   ~5x fewer multiply-adds than whole-chunk products. The whole-chunk "fused"/"split" and the
+   one-kernel "fused_blocked" variants were measured 2.2x / 16x slower on the H200 and removed
+   (see benchmarks/RESULTS.md).
 
 Packed sequences (``cu_seqlens``) run on the forward's chunk-aligned layout
 (``varlen_layout.py``); the two recurrences then loop over one sequence's chunk range per program,
@@ -34,8 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C
-from pallas_kernels.kda.pallas_bwd_blocked import grads_kernel_blocked, key_kernel_blocked
-from pallas_kernels.kda.pallas_bwd_grads import grads_kernel, key_kernel, value_kernel
+from pallas_kernels.kda.pallas_bwd_blocked import key_kernel_blocked
+from pallas_kernels.kda.pallas_bwd_grads import value_kernel
 from pallas_kernels.kda.pallas_bwd_states import dstates_kernel, states_kernel
 from pallas_kernels.kda.pallas_kda import compiler_params, intra_split, matmul_dtypes
 from pallas_kernels.kda.reference import host_offsets
@@ -96,32 +97,16 @@ def stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets=None, *, block_v, i
     )(*((chunk_offsets,) if varlen else ()), qg, W, aqk, kd, gl, do, dht)
 
 
-GRADS_VARIANTS = ("fused", "split", "blocked", "fused_blocked")
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "block_v", "variant") + _TUNING)
-def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, variant,
-                interpret, num_warps, num_stages):
-    """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes. ``variant``: "fused" (one
-    kernel), "split" (V sums through HBM, fp32, then the whole-chunk key side), "blocked"
-    (V sums through HBM, then ``pallas_bwd_blocked``'s sub-chunk-blocked key side) or
-    "fused_blocked" (one kernel: V sums by row block in registers, then the blocked key side)."""
+@functools.partial(jax.jit, static_argnames=("scale", "block_v") + _TUNING)
+def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, interpret,
+                num_warps, num_stages):
+    """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes: ``value_kernel`` (dv, and the
+    V sums to HBM in fp32), then ``pallas_bwd_blocked``'s sub-chunk-blocked key side."""
     B, Tp, H, K = q.shape
     n = Tp // C
     mm_dtype, sd = matmul_dtypes(v)
     sds = jax.ShapeDtypeStruct
     params = compiler_params(interpret, num_warps, num_stages)
-    key_out = (sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype),
-               sds(beta.shape, beta.dtype))
-    if variant in ("fused", "fused_blocked"):
-        kernel = grads_kernel if variant == "fused" else grads_kernel_blocked
-        dq, dk, dv, dg, db = pl.pallas_call(
-            functools.partial(kernel, scale=scale, mm_dtype=mm_dtype, bv=block_v),
-            grid=(B, H, n),
-            out_shape=key_out[:2] + (sds(v.shape, v.dtype),) + key_out[2:],
-            interpret=interpret, name=f"kda_bwd_grads_{variant}", **params,
-        )(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn)
-        return dq, dk, dv, dg, db
     ck, cc = sds((B, Tp, H, K), _F32), sds((B, Tp, H, C), _F32)
     dw = sds((B, Tp, H, K), sd)  # only ever a matmul operand of mm_dtype: stored like one
     dv, *sums = pl.pallas_call(
@@ -131,26 +116,26 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, 
                    sds(beta.shape, _F32)),
         interpret=interpret, name="kda_bwd_grads_v", **params,
     )(v, beta, A, W, U, hs, dhs, do, dvn)
-    key = key_kernel if variant == "split" else key_kernel_blocked
     dq, dk, dg, db = pl.pallas_call(
-        functools.partial(key, scale=scale, mm_dtype=mm_dtype),
+        functools.partial(key_kernel_blocked, scale=scale, mm_dtype=mm_dtype),
         grid=(B, H, n),
-        out_shape=key_out,
-        interpret=interpret, name=f"kda_bwd_grads_k_{variant}", **params,
+        out_shape=(sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype),
+                   sds(beta.shape, beta.dtype)),
+        interpret=interpret, name="kda_bwd_grads_k_blocked", **params,
     )(q, k, g, beta, A, W, *sums)
     return dq, dk, dv, dg, db
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("scale", "block_v", "grads_block_v", "grads", "grads_warps") + _TUNING)
-def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_block_v, grads,
+                   static_argnames=("scale", "block_v", "grads_block_v", "grads_warps") + _TUNING)
+def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_block_v,
          grads_warps, **tuning):
     A, W, U, aqk, qg, kd, gl = stage_parts(q, k, v, g, beta, scale=scale, **tuning)
     hs = stage_states(W, U, kd, gl, h0, chunk_offsets, block_v=block_v, **tuning)
     dhs, dvn, ds0 = stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets, block_v=block_v,
                                   **tuning)
     out = stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, scale=scale,
-                      block_v=grads_block_v, variant=grads, **{**tuning, "num_warps": grads_warps})
+                      block_v=grads_block_v, **{**tuning, "num_warps": grads_warps})
     return (*out, ds0)
 
 
@@ -181,7 +166,6 @@ def pallas_chunk_kda_bwd(
     interpret: bool | None = None,
     block_v: int | None = None,
     grads_block_v: int | None = None,
-    grads: str = "blocked",
     num_warps: int = 8,
     num_stages: int = 1,
     grads_warps: int | None = None,
@@ -193,9 +177,7 @@ def pallas_chunk_kda_bwd(
     [N, H, K, V]). Returns ``(dq, dk, dv, dg, dbeta, d initial_state)`` in the inputs' dtypes
     (the state gradient fp32). ``interpret`` defaults to True off GPU. ``block_v``: V columns per
     program of the two state recurrences (default ``default_block_v``); ``grads_block_v``: V
-    columns per step of the gradient kernel's loop (its live set; default 32); ``grads`` picks
-    the gradient pass's kernels (see ``stage_grads``; "blocked" by default: the fewest
-    multiply-adds and the smallest live sets, chosen before any GPU timing of the variants).
+    columns per step of the gradient kernel's loop (its live set; default 32).
     ``grads_warps``: num_warps of the gradient pass alone (default ``num_warps``). 8 warps by
     default: on an H200 at B4 T8192 H96 the recompute took 10.0 ms at 8 warps vs 12.4 at 4, the
     gradient pass 44.1 vs 47.7, the state passes the same (benchmarks/RESULTS.md).
@@ -209,8 +191,6 @@ def pallas_chunk_kda_bwd(
         if bad:
             raise ValueError(
                 f"pallas KDA backward on GPU needs K and V powers of two >= 16 (Triton), got {bad}")
-    if grads not in GRADS_VARIANTS:
-        raise ValueError(f"grads: expected one of {GRADS_VARIANTS}, got {grads!r}")
     n_states = B
     if cu_seqlens is not None:  # packed sequences: run on the chunk-aligned layout
         if B != 1:
@@ -240,7 +220,7 @@ def pallas_chunk_kda_bwd(
     dq, dk, dv, dg, db, ds0 = _bwd(
         q, k, v, g, beta, initial_state.astype(_F32), do.astype(v.dtype), dht.astype(_F32),
         offsets, scale=float(scale), interpret=bool(interpret), num_warps=num_warps,
-        num_stages=num_stages, grads=grads, grads_warps=num_warps if grads_warps is None else grads_warps,
+        num_stages=num_stages, grads_warps=num_warps if grads_warps is None else grads_warps,
         **blocks,
     )
     out = (dq, dk, dv, dg, db)
