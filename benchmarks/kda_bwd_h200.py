@@ -250,17 +250,19 @@ def run_jax():
             lambda *a: pallas_chunk_kda(*a[:5], scale=scale, initial_state=a[5])), args[:6]))
         attempt(r, "ours_bwd_ms", lambda: bench(
             jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale)), args))
-        for nw, gw in variants:
-            tag = f"ours_bwd_w{nw}" + (f"_gw{gw}" if gw else "")
-            attempt(r, f"{tag}_ms", lambda nw=nw, gw=gw: bench(
+        for value, nw, gw, gbv in variants:
+            tag = f"ours_bwd_{value}_w{nw}" + (f"_gw{gw}" if gw else "") + f"_gbv{gbv}"
+            attempt(r, f"{tag}_ms", lambda value=value, nw=nw, gw=gw, gbv=gbv: bench(
                 jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale, num_warps=nw,
-                                                           grads_warps=gw)), args),
+                                                           grads_warps=gw, value=value,
+                                                           grads_block_v=gbv)), args),
                     budget=240)
             save(res, out)
         save(res, out)
 
-    if not stages_only:  # the default (8 warps everywhere) first, then the runners-up
-        variants = ((4, None), (4, 8))  # (num_warps, grads_warps)
+    if not stages_only:  # the default first, then the candidates
+        # (value pass, num_warps, grads_warps, grads_block_v)
+        variants = (("channels", 8, None, 32), ("channels", 8, 4, 32), ("channels", 8, None, 64))
         essentials(*SHAPES[0], variants)
         essentials(*SHAPES[1], variants)
     for shape in SHAPES:
@@ -273,7 +275,7 @@ def run_jax():
         q, k, v, g, beta, h0, do, dht = inputs(*shape)
         r = res["B{}_T{}_H{}".format(*shape)]
         A, W, U, aqk, qg, kd, gl = pb.stage_parts(q, k, v, g, beta, scale=scale, **tun(4, 1))
-        hs = pb.stage_states(W, U, kd, gl, h0, block_v=32, **tun(4, 1))
+        hs, vn = pb.stage_states(W, U, kd, gl, h0, block_v=32, store_v_new=True, **tun(4, 1))
         dhs, dvn, _ = pb.stage_dstates(qg, W, aqk, kd, gl, do, dht, block_v=32, **tun(4, 1))
         for nw, ns in parts_cfgs:
             attempt(r, f"stage_parts_w{nw}_s{ns}_ms", lambda nw=nw, ns=ns: bench(
@@ -286,18 +288,20 @@ def run_jax():
                 (qg, W, aqk, kd, gl, do, dht)))
             save(res, out)
 
-        for gbv, nw, ns in grads_cfgs:
-            tag = f"stage_grads_bv{gbv}_w{nw}_s{ns}_ms"
-            attempt(r, tag, lambda gbv=gbv, nw=nw, ns=ns: bench(
-                lambda *a: pb.stage_grads(*a, scale=scale, block_v=gbv, **tun(nw, ns)),
-                (q, k, v, g, beta, A, W, U, hs, dhs, do, dvn)))
+        for value, gbv, nw, ns in grads_cfgs:
+            tag = f"stage_grads_{value}_bv{gbv}_w{nw}_s{ns}_ms"
+            attempt(r, tag, lambda value=value, gbv=gbv, nw=nw, ns=ns: bench(
+                lambda *a: pb.stage_grads(*a, scale=scale, block_v=gbv, value=value,
+                                          **tun(nw, ns)),
+                (q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, vn)))
             save(res, out)
 
-    # (shape, grads (block_v, warps, stages), parts (warps, stages), states (block_v, warps))
+    # (shape, grads (value pass, block_v, warps, stages), parts (warps, stages),
+    #  states (block_v, warps))
     sweeps = [
-        (SHAPES[0], ((32, 8, 1), (32, 16, 1), (16, 8, 1), (32, 8, 2), (32, 2, 1)),
-         ((8, 1), (16, 1)), ((64, 8),)),
-        (SHAPES[1], ((32, 8, 1), (32, 4, 1)), ((8, 1), (4, 1)), ((32, 8), (32, 4))),
+        (SHAPES[0], (("chunk", 32, 8, 1), ("channels", 32, 8, 1), ("channels", 32, 4, 1),
+                     ("channels", 64, 8, 1), ("channels", 16, 4, 1)), (), ()),
+        (SHAPES[1], (("chunk", 32, 8, 1), ("channels", 32, 8, 1)), (), ()),
     ]
     for shape, *cfgs in [] if essentials_only else sweeps:
         try:

@@ -38,6 +38,7 @@ from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.pallas_bwd_blocked import key_kernel_blocked
 from pallas_kernels.kda.pallas_bwd_grads import value_kernel
 from pallas_kernels.kda.pallas_bwd_states import dstates_kernel, states_kernel
+from pallas_kernels.kda.pallas_bwd_value import chunk_sums_kernel, key_sums_kernel
 from pallas_kernels.kda.pallas_kda import compiler_params, intra_split, matmul_dtypes
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
@@ -61,22 +62,28 @@ def stage_parts(q, k, v, g, beta, *, scale, interpret, num_warps, num_stages):
     return A, W, U, aqk, qg, kd, gl
 
 
-@functools.partial(jax.jit, static_argnames=("block_v",) + _TUNING)
+@functools.partial(jax.jit, static_argnames=("block_v", "store_v_new") + _TUNING)
 def stage_states(W, U, kd, gl, h0, chunk_offsets=None, *, block_v, interpret, num_warps,
-                 num_stages):
-    """Pass 2a: every chunk's input state ``[B, N, H, K, V]``. ``chunk_offsets`` (int32
-    ``[S + 1]``) marks a chunk-aligned packed batch (B == 1) of S sequences with states h0[s]."""
+                 num_stages, store_v_new=False):
+    """Pass 2a: every chunk's input state ``[B, N, H, K, V]`` (and with ``store_v_new`` also
+    ``v_new = U - W h`` ``[B, Tp, H, V]``, which the channel-blocked value sums read).
+    ``chunk_offsets`` (int32 ``[S + 1]``) marks a chunk-aligned packed batch (B == 1) of S
+    sequences with states h0[s]."""
     B, Tp, H, K = W.shape
     V, n = U.shape[-1], Tp // C
     mm_dtype, sd = matmul_dtypes(U)
     varlen = chunk_offsets is not None
-    return pl.pallas_call(
+    out_shape = (jax.ShapeDtypeStruct((B, n, H, K, V), sd),)
+    if store_v_new:
+        out_shape += (jax.ShapeDtypeStruct((B, Tp, H, V), sd),)
+    out = pl.pallas_call(
         functools.partial(states_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype,
-                          varlen=varlen),
+                          varlen=varlen, store_v_new=store_v_new),
         grid=(h0.shape[0], H, V // block_v),
-        out_shape=jax.ShapeDtypeStruct((B, n, H, K, V), sd),
+        out_shape=out_shape,
         interpret=interpret, name="kda_bwd_states", **compiler_params(interpret, num_warps, num_stages),
     )(*((chunk_offsets,) if varlen else ()), W, U, kd, gl, h0)
+    return out if store_v_new else out[0]
 
 
 @functools.partial(jax.jit, static_argnames=("block_v",) + _TUNING)
@@ -97,11 +104,17 @@ def stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets=None, *, block_v, i
     )(*((chunk_offsets,) if varlen else ()), qg, W, aqk, kd, gl, do, dht)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_v") + _TUNING)
-def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, interpret,
-                num_warps, num_stages):
-    """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes: ``value_kernel`` (dv, and the
-    V sums to HBM in fp32), then ``pallas_bwd_blocked``'s sub-chunk-blocked key side."""
+VALUE_PASSES = ("chunk", "channels")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_v", "value") + _TUNING)
+def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, vn=None, *, scale, block_v, value,
+                interpret, num_warps, num_stages):
+    """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes: dv and the V-contracting sums
+    (to HBM, fp32), then ``pallas_bwd_blocked``'s sub-chunk-blocked key side. ``value``: the sums
+    by "chunk" (``value_kernel``, one program per chunk looping over V blocks of ``block_v``) or
+    by "channels" (``pallas_bwd_value``: key-channel blocks of ``block_v`` in the grid, plus a
+    chunk kernel; needs ``vn``, the state pass's ``v_new``)."""
     B, Tp, H, K = q.shape
     n = Tp // C
     mm_dtype, sd = matmul_dtypes(v)
@@ -109,13 +122,29 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, 
     params = compiler_params(interpret, num_warps, num_stages)
     ck, cc = sds((B, Tp, H, K), _F32), sds((B, Tp, H, C), _F32)
     dw = sds((B, Tp, H, K), sd)  # only ever a matmul operand of mm_dtype: stored like one
-    dv, *sums = pl.pallas_call(
-        functools.partial(value_kernel, mm_dtype=mm_dtype, bv=block_v),
-        grid=(B, H, n),
-        out_shape=(sds(v.shape, v.dtype), ck, dw, ck, cc, cc, sds((B, n, H, K), _F32),
-                   sds(beta.shape, _F32)),
-        interpret=interpret, name="kda_bwd_grads_v", **params,
-    )(v, beta, A, W, U, hs, dhs, do, dvn)
+    dgl, dbeta = sds((B, n, H, K), _F32), sds(beta.shape, _F32)
+    if value == "chunk":
+        dv, *sums = pl.pallas_call(
+            functools.partial(value_kernel, mm_dtype=mm_dtype, bv=block_v),
+            grid=(B, H, n),
+            out_shape=(sds(v.shape, v.dtype), ck, dw, ck, cc, cc, dgl, dbeta),
+            interpret=interpret, name="kda_bwd_grads_v", **params,
+        )(v, beta, A, W, U, hs, dhs, do, dvn)
+    else:
+        bk = block_v if K % block_v == 0 else K
+        dqg, dW, dkd, dgl = pl.pallas_call(
+            functools.partial(key_sums_kernel, mm_dtype=mm_dtype, bk=bk),
+            grid=(B, H, n, K // bk),
+            out_shape=(ck, dw, ck, dgl),
+            interpret=interpret, name="kda_bwd_grads_v_keys", **params,
+        )(hs, dhs, do, dvn, vn)
+        dv, daqk, dlu, dbeta = pl.pallas_call(
+            functools.partial(chunk_sums_kernel, mm_dtype=mm_dtype),
+            grid=(B, H, n),
+            out_shape=(sds(v.shape, v.dtype), cc, cc, dbeta),
+            interpret=interpret, name="kda_bwd_grads_v_chunk", **params,
+        )(A, beta, U, v, do, dvn, vn)
+        sums = (dqg, dW, dkd, daqk, dlu, dgl, dbeta)  # value_kernel's order (pallas_bwd_grads.SUMS)
     dq, dk, dg, db = pl.pallas_call(
         functools.partial(key_kernel_blocked, scale=scale, mm_dtype=mm_dtype),
         grid=(B, H, n),
@@ -126,16 +155,18 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, *, scale, block_v, 
     return dq, dk, dv, dg, db
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("scale", "block_v", "grads_block_v", "grads_warps") + _TUNING)
+@functools.partial(jax.jit, static_argnames=("scale", "block_v", "grads_block_v", "grads_warps",
+                                             "value") + _TUNING)
 def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_block_v,
-         grads_warps, **tuning):
+         grads_warps, value, **tuning):
     A, W, U, aqk, qg, kd, gl = stage_parts(q, k, v, g, beta, scale=scale, **tuning)
-    hs = stage_states(W, U, kd, gl, h0, chunk_offsets, block_v=block_v, **tuning)
+    states = stage_states(W, U, kd, gl, h0, chunk_offsets, block_v=block_v,
+                          store_v_new=value == "channels", **tuning)
+    hs, vn = states if value == "channels" else (states, None)
     dhs, dvn, ds0 = stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets, block_v=block_v,
                                   **tuning)
-    out = stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, scale=scale,
-                      block_v=grads_block_v, **{**tuning, "num_warps": grads_warps})
+    out = stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, vn, scale=scale,
+                      block_v=grads_block_v, value=value, **{**tuning, "num_warps": grads_warps})
     return (*out, ds0)
 
 
@@ -169,6 +200,7 @@ def pallas_chunk_kda_bwd(
     num_warps: int = 8,
     num_stages: int = 1,
     grads_warps: int | None = None,
+    value: str = "chunk",
 ) -> tuple[jax.Array, ...]:
     """Gradients of ``pallas_chunk_kda``'s ``(o, final_state)`` (safe gate, fla conventions).
 
@@ -177,7 +209,8 @@ def pallas_chunk_kda_bwd(
     [N, H, K, V]). Returns ``(dq, dk, dv, dg, dbeta, d initial_state)`` in the inputs' dtypes
     (the state gradient fp32). ``interpret`` defaults to True off GPU. ``block_v``: V columns per
     program of the two state recurrences (default ``default_block_v``); ``grads_block_v``: V
-    columns per step of the gradient kernel's loop (its live set; default 32).
+    columns per step of the value sums' loop (``value="chunk"``) or key channels per program
+    (``value="channels"``; see ``stage_grads``), default 32.
     ``grads_warps``: num_warps of the gradient pass alone (default ``num_warps``). 8 warps by
     default: on an H200 at B4 T8192 H96 the recompute took 10.0 ms at 8 warps vs 12.4 at 4, the
     gradient pass 44.1 vs 47.7, the state passes the same (benchmarks/RESULTS.md).
@@ -191,6 +224,8 @@ def pallas_chunk_kda_bwd(
         if bad:
             raise ValueError(
                 f"pallas KDA backward on GPU needs K and V powers of two >= 16 (Triton), got {bad}")
+    if value not in VALUE_PASSES:
+        raise ValueError(f"value: expected one of {VALUE_PASSES}, got {value!r}")
     n_states = B
     if cu_seqlens is not None:  # packed sequences: run on the chunk-aligned layout
         if B != 1:
@@ -221,7 +256,7 @@ def pallas_chunk_kda_bwd(
         q, k, v, g, beta, initial_state.astype(_F32), do.astype(v.dtype), dht.astype(_F32),
         offsets, scale=float(scale), interpret=bool(interpret), num_warps=num_warps,
         num_stages=num_stages, grads_warps=num_warps if grads_warps is None else grads_warps,
-        **blocks,
+        value=value, **blocks,
     )
     out = (dq, dk, dv, dg, db)
     if cu_seqlens is not None:
