@@ -250,19 +250,17 @@ def run_jax():
             lambda *a: pallas_chunk_kda(*a[:5], scale=scale, initial_state=a[5])), args[:6]))
         attempt(r, "ours_bwd_ms", lambda: bench(
             jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale)), args))
-        for value, nw, gw, gbv in variants:
-            tag = f"ours_bwd_{value}_w{nw}" + (f"_gw{gw}" if gw else "") + f"_gbv{gbv}"
-            attempt(r, f"{tag}_ms", lambda value=value, nw=nw, gw=gw, gbv=gbv: bench(
+        for nw, gw, gbk in variants:
+            tag = f"ours_bwd_w{nw}_gw{gw}_gbk{gbk}"
+            attempt(r, f"{tag}_ms", lambda nw=nw, gw=gw, gbk=gbk: bench(
                 jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale, num_warps=nw,
-                                                           grads_warps=gw, value=value,
-                                                           grads_block_v=gbv)), args),
-                    budget=240)
+                                                           grads_warps=gw, grads_block_k=gbk)),
+                args), budget=240)
             save(res, out)
         save(res, out)
 
-    if not stages_only:  # the default first, then the candidates
-        # (value pass, num_warps, grads_warps, grads_block_v)
-        variants = (("channels", 8, None, 32), ("channels", 8, 4, 32), ("channels", 8, None, 64))
+    if not stages_only:  # the default first, then the runners-up
+        variants = ((8, 8, 32), (8, 4, 64))  # (num_warps, grads_warps, grads_block_k)
         essentials(*SHAPES[0], variants)
         essentials(*SHAPES[1], variants)
     for shape in SHAPES:
@@ -275,7 +273,7 @@ def run_jax():
         q, k, v, g, beta, h0, do, dht = inputs(*shape)
         r = res["B{}_T{}_H{}".format(*shape)]
         A, W, U, aqk, qg, kd, gl = pb.stage_parts(q, k, v, g, beta, scale=scale, **tun(4, 1))
-        hs, vn = pb.stage_states(W, U, kd, gl, h0, block_v=32, store_v_new=True, **tun(4, 1))
+        hs, vn = pb.stage_states(W, U, kd, gl, h0, block_v=32, **tun(4, 1))
         dhs, dvn, _ = pb.stage_dstates(qg, W, aqk, kd, gl, do, dht, block_v=32, **tun(4, 1))
         for nw, ns in parts_cfgs:
             attempt(r, f"stage_parts_w{nw}_s{ns}_ms", lambda nw=nw, ns=ns: bench(
@@ -288,20 +286,17 @@ def run_jax():
                 (qg, W, aqk, kd, gl, do, dht)))
             save(res, out)
 
-        for value, gbv, nw, ns in grads_cfgs:
-            tag = f"stage_grads_{value}_bv{gbv}_w{nw}_s{ns}_ms"
-            attempt(r, tag, lambda value=value, gbv=gbv, nw=nw, ns=ns: bench(
-                lambda *a: pb.stage_grads(*a, scale=scale, block_v=gbv, value=value,
-                                          **tun(nw, ns)),
+        for gbk, nw, ns in grads_cfgs:
+            tag = f"stage_grads_bk{gbk}_w{nw}_s{ns}_ms"
+            attempt(r, tag, lambda gbk=gbk, nw=nw, ns=ns: bench(
+                lambda *a: pb.stage_grads(*a, scale=scale, block_k=gbk, **tun(nw, ns)),
                 (q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, vn)))
             save(res, out)
 
-    # (shape, grads (value pass, block_v, warps, stages), parts (warps, stages),
-    #  states (block_v, warps))
+    # (shape, grads (block_k, warps, stages), parts (warps, stages), states (block_v, warps))
     sweeps = [
-        (SHAPES[0], (("chunk", 32, 8, 1), ("channels", 32, 8, 1), ("channels", 32, 4, 1),
-                     ("channels", 64, 8, 1), ("channels", 16, 4, 1)), (), ()),
-        (SHAPES[1], (("chunk", 32, 8, 1), ("channels", 32, 8, 1)), (), ()),
+        (SHAPES[0], ((32, 4, 1), (64, 4, 1), (32, 4, 2), (32, 8, 1)), ((8, 1),), ((128, 8),)),
+        (SHAPES[1], ((32, 4, 1), (32, 8, 1)), ((8, 1),), ((32, 8),)),
     ]
     for shape, *cfgs in [] if essentials_only else sweeps:
         try:

@@ -90,7 +90,7 @@ def _key_side(b, h, c, q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dq_ref, dk_ref,
 def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dqg_ref, dw_ref, dkd_ref,
                        daqk_ref, dlu_ref, dgl_ref, dbv_ref, dq_ref, dk_ref, dg_ref, db_ref, *,
                        scale, mm_dtype):
-    """dq, dk, dg, dbeta of one chunk from the V sums that ``value_kernel`` left in HBM."""
+    """dq, dk, dg, dbeta of one chunk from the V sums that ``pallas_bwd_value`` left in HBM."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t0 = c * C
     rs = lambda i: pl.ds(t0 + i * BC, BC)  # noqa: E731

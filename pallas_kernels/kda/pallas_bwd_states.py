@@ -4,8 +4,8 @@ Grid ``(S, H, V / BV)``, one program per (sequence, head, V block), sequential o
 the fp32 state ``[K, BV]`` on chip. V columns are independent in both recurrences, which is what
 allows the V split.
 
-``states_kernel``: the forward recurrence again, storing every chunk's input state ``h`` (and
-optionally ``v_new``): ``v_new = U - W S``, ``S <- gl * S + Kd^T v_new``.
+``states_kernel``: the forward recurrence again, storing every chunk's input state ``h`` and
+``v_new``: ``v_new = U - W S``, ``S <- gl * S + Kd^T v_new``.
 ``dstates_kernel``: the reverse recurrence, ``dv_new = Aqk^T dO + Kd dS``, store ``dh = dS`` (the
 gradient of the state leaving the chunk), then ``dS <- gl * dS + Qg^T dO - W^T dv_new``; its last
 value is the initial state's gradient.
@@ -32,9 +32,9 @@ def _sequence(refs: tuple, n_chunks: int, varlen: bool):
     return refs, s, s, 0, n_chunks
 
 
-def states_kernel(*refs, n_chunks, bv, mm_dtype, varlen, store_v_new):
+def states_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
     refs, s, b, c0, c1 = _sequence(refs, n_chunks, varlen)
-    w_ref, u_ref, kd_ref, gl_ref, h0_ref, hs_ref, *vn_ref = refs
+    w_ref, u_ref, kd_ref, gl_ref, h0_ref, hs_ref, vn_ref = refs
     h, iv = pl.program_id(1), pl.program_id(2)
     vs = pl.ds(iv * bv, bv)
 
@@ -42,8 +42,7 @@ def states_kernel(*refs, n_chunks, bv, mm_dtype, varlen, store_v_new):
         ts = pl.ds(c * C, C)
         hs_ref[b, c, h, :, vs] = S.astype(hs_ref.dtype)
         v_new = u_ref[b, ts, h, vs].astype(_F32) - dot(w_ref[b, ts, h, :], S, mm_dtype)
-        if store_v_new:
-            vn_ref[0][b, ts, h, vs] = v_new.astype(vn_ref[0].dtype)
+        vn_ref[b, ts, h, vs] = v_new.astype(vn_ref.dtype)
         gl = gl_ref[b, c, h, :]
         return gl[:, None] * S + dot(kd_ref[b, ts, h, :], v_new, mm_dtype, trans_a=True)
 

@@ -1,20 +1,20 @@
 """Analytic backward of the safe-gate chunked KDA as Pallas kernels (Triton lowering on GPU).
 
 The same three passes as ``chunk_backward.py``, as ``pl.pallas_call``s (this file: the wrappers and
-the entry point; kernel bodies in ``pallas_bwd_states.py``, ``pallas_bwd_grads.py``,
+the entry point; kernel bodies in ``pallas_bwd_states.py``, ``pallas_bwd_value.py``,
 ``pallas_bwd_blocked.py``):
 
 1. ``stage_parts``, grid ``(B, H, N)``, parallel: recompute the chunk's A = (I + L)^{-1}, W, U,
    Aqk, Qg, Kd and decay gl from q, k, v, g, beta with the forward's own intra kernels.
 2. ``stage_states`` / ``stage_dstates``, grid ``(S, H, V / BV)``: the forward state recurrence
-   again (storing every chunk's input state ``h``), then the reverse one for ``dh`` and
-   ``dv_new``, with the state on chip; the reverse one's last value is the initial state's
+   again (storing every chunk's input state ``h`` and ``v_new``), then the reverse one for ``dh``
+   and ``dv_new``, with the state on chip; the reverse one's last value is the initial state's
    gradient.
-3. ``stage_grads``, grid ``(B, H, N)``, parallel: dq, dk, dv, dg, dbeta of every chunk, in two
-   kernels: dv and the V-contracting sums (through HBM), then the key side in 16-row blocks with
-   ~5x fewer multiply-adds than whole-chunk products. The whole-chunk "fused"/"split" and the
-   one-kernel "fused_blocked" variants were measured 2.2x / 16x slower on the H200 and removed
-   (see benchmarks/RESULTS.md).
+3. ``stage_grads``, parallel over chunks: dq, dk, dv, dg, dbeta of every chunk: the
+   V-contracting sums (through HBM; key-channel blocks in the grid), then the key side in 16-row
+   blocks with ~5x fewer multiply-adds than whole-chunk products. Variants measured slower on the
+   H200 and removed (benchmarks/RESULTS.md): whole-chunk key sides ("fused"/"split", 2.2x), one
+   kernel for both sides ("fused_blocked", 16x), one program per chunk for all the V sums.
 
 Packed sequences (``cu_seqlens``) run on the forward's chunk-aligned layout
 (``varlen_layout.py``); the two recurrences then loop over one sequence's chunk range per program,
@@ -36,7 +36,6 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.pallas_bwd_blocked import key_kernel_blocked
-from pallas_kernels.kda.pallas_bwd_grads import value_kernel
 from pallas_kernels.kda.pallas_bwd_states import dstates_kernel, states_kernel
 from pallas_kernels.kda.pallas_bwd_value import chunk_sums_kernel, key_sums_kernel
 from pallas_kernels.kda.pallas_kda import compiler_params, intra_split, matmul_dtypes
@@ -62,28 +61,24 @@ def stage_parts(q, k, v, g, beta, *, scale, interpret, num_warps, num_stages):
     return A, W, U, aqk, qg, kd, gl
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "store_v_new") + _TUNING)
+@functools.partial(jax.jit, static_argnames=("block_v",) + _TUNING)
 def stage_states(W, U, kd, gl, h0, chunk_offsets=None, *, block_v, interpret, num_warps,
-                 num_stages, store_v_new=False):
-    """Pass 2a: every chunk's input state ``[B, N, H, K, V]`` (and with ``store_v_new`` also
-    ``v_new = U - W h`` ``[B, Tp, H, V]``, which the channel-blocked value sums read).
-    ``chunk_offsets`` (int32 ``[S + 1]``) marks a chunk-aligned packed batch (B == 1) of S
-    sequences with states h0[s]."""
+                 num_stages):
+    """Pass 2a: every chunk's input state ``h`` ``[B, N, H, K, V]`` and ``v_new = U - W h``
+    ``[B, Tp, H, V]`` (formed here anyway; the value sums read it). ``chunk_offsets`` (int32
+    ``[S + 1]``) marks a chunk-aligned packed batch (B == 1) of S sequences with states h0[s]."""
     B, Tp, H, K = W.shape
     V, n = U.shape[-1], Tp // C
     mm_dtype, sd = matmul_dtypes(U)
     varlen = chunk_offsets is not None
-    out_shape = (jax.ShapeDtypeStruct((B, n, H, K, V), sd),)
-    if store_v_new:
-        out_shape += (jax.ShapeDtypeStruct((B, Tp, H, V), sd),)
-    out = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(states_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype,
-                          varlen=varlen, store_v_new=store_v_new),
+                          varlen=varlen),
         grid=(h0.shape[0], H, V // block_v),
-        out_shape=out_shape,
+        out_shape=(jax.ShapeDtypeStruct((B, n, H, K, V), sd),
+                   jax.ShapeDtypeStruct((B, Tp, H, V), sd)),
         interpret=interpret, name="kda_bwd_states", **compiler_params(interpret, num_warps, num_stages),
     )(*((chunk_offsets,) if varlen else ()), W, U, kd, gl, h0)
-    return out if store_v_new else out[0]
 
 
 @functools.partial(jax.jit, static_argnames=("block_v",) + _TUNING)
@@ -104,17 +99,14 @@ def stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets=None, *, block_v, i
     )(*((chunk_offsets,) if varlen else ()), qg, W, aqk, kd, gl, do, dht)
 
 
-VALUE_PASSES = ("chunk", "channels")
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "block_v", "value") + _TUNING)
-def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, vn=None, *, scale, block_v, value,
-                interpret, num_warps, num_stages):
-    """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes: dv and the V-contracting sums
-    (to HBM, fp32), then ``pallas_bwd_blocked``'s sub-chunk-blocked key side. ``value``: the sums
-    by "chunk" (``value_kernel``, one program per chunk looping over V blocks of ``block_v``) or
-    by "channels" (``pallas_bwd_value``: key-channel blocks of ``block_v`` in the grid, plus a
-    chunk kernel; needs ``vn``, the state pass's ``v_new``)."""
+@functools.partial(jax.jit, static_argnames=("scale", "block_k") + _TUNING)
+def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, vn, *, scale, block_k, interpret,
+                num_warps, num_stages):
+    """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes: the V-contracting sums to HBM
+    (fp32; ``pallas_bwd_value``: key-channel blocks of ``block_k`` in the grid, plus a chunk
+    kernel for dv and the [C, C] sums), then ``pallas_bwd_blocked``'s sub-chunk-blocked key side.
+    One program per chunk for all the V sums, looping over V blocks, was slower on the H200
+    (43.6 vs 39.1 ms for this pass at B4 T8192 H96; benchmarks/RESULTS.md)."""
     B, Tp, H, K = q.shape
     n = Tp // C
     mm_dtype, sd = matmul_dtypes(v)
@@ -122,51 +114,38 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, vn=None, *, scale, 
     params = compiler_params(interpret, num_warps, num_stages)
     ck, cc = sds((B, Tp, H, K), _F32), sds((B, Tp, H, C), _F32)
     dw = sds((B, Tp, H, K), sd)  # only ever a matmul operand of mm_dtype: stored like one
-    dgl, dbeta = sds((B, n, H, K), _F32), sds(beta.shape, _F32)
-    if value == "chunk":
-        dv, *sums = pl.pallas_call(
-            functools.partial(value_kernel, mm_dtype=mm_dtype, bv=block_v),
-            grid=(B, H, n),
-            out_shape=(sds(v.shape, v.dtype), ck, dw, ck, cc, cc, dgl, dbeta),
-            interpret=interpret, name="kda_bwd_grads_v", **params,
-        )(v, beta, A, W, U, hs, dhs, do, dvn)
-    else:
-        bk = block_v if K % block_v == 0 else K
-        dqg, dW, dkd, dgl = pl.pallas_call(
-            functools.partial(key_sums_kernel, mm_dtype=mm_dtype, bk=bk),
-            grid=(B, H, n, K // bk),
-            out_shape=(ck, dw, ck, dgl),
-            interpret=interpret, name="kda_bwd_grads_v_keys", **params,
-        )(hs, dhs, do, dvn, vn)
-        dv, daqk, dlu, dbeta = pl.pallas_call(
-            functools.partial(chunk_sums_kernel, mm_dtype=mm_dtype),
-            grid=(B, H, n),
-            out_shape=(sds(v.shape, v.dtype), cc, cc, dbeta),
-            interpret=interpret, name="kda_bwd_grads_v_chunk", **params,
-        )(A, beta, U, v, do, dvn, vn)
-        sums = (dqg, dW, dkd, daqk, dlu, dgl, dbeta)  # value_kernel's order (pallas_bwd_grads.SUMS)
+    dqg, dW, dkd, dgl = pl.pallas_call(
+        functools.partial(key_sums_kernel, mm_dtype=mm_dtype, bk=block_k),
+        grid=(B, H, n, K // block_k),
+        out_shape=(ck, dw, ck, sds((B, n, H, K), _F32)),
+        interpret=interpret, name="kda_bwd_grads_v_keys", **params,
+    )(hs, dhs, do, dvn, vn)
+    dv, daqk, dlu, dbeta = pl.pallas_call(
+        functools.partial(chunk_sums_kernel, mm_dtype=mm_dtype),
+        grid=(B, H, n),
+        out_shape=(sds(v.shape, v.dtype), cc, cc, sds(beta.shape, _F32)),
+        interpret=interpret, name="kda_bwd_grads_v_chunk", **params,
+    )(A, beta, U, v, do, dvn, vn)
     dq, dk, dg, db = pl.pallas_call(
         functools.partial(key_kernel_blocked, scale=scale, mm_dtype=mm_dtype),
         grid=(B, H, n),
         out_shape=(sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype),
                    sds(beta.shape, beta.dtype)),
         interpret=interpret, name="kda_bwd_grads_k_blocked", **params,
-    )(q, k, g, beta, A, W, *sums)
+    )(q, k, g, beta, A, W, dqg, dW, dkd, daqk, dlu, dgl, dbeta)
     return dq, dk, dv, dg, db
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_v", "grads_block_v", "grads_warps",
-                                             "value") + _TUNING)
-def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_block_v,
-         grads_warps, value, **tuning):
+@functools.partial(jax.jit,
+                   static_argnames=("scale", "block_v", "grads_block_k", "grads_warps") + _TUNING)
+def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_block_k,
+         grads_warps, **tuning):
     A, W, U, aqk, qg, kd, gl = stage_parts(q, k, v, g, beta, scale=scale, **tuning)
-    states = stage_states(W, U, kd, gl, h0, chunk_offsets, block_v=block_v,
-                          store_v_new=value == "channels", **tuning)
-    hs, vn = states if value == "channels" else (states, None)
+    hs, vn = stage_states(W, U, kd, gl, h0, chunk_offsets, block_v=block_v, **tuning)
     dhs, dvn, ds0 = stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets, block_v=block_v,
                                   **tuning)
     out = stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, vn, scale=scale,
-                      block_v=grads_block_v, value=value, **{**tuning, "num_warps": grads_warps})
+                      block_k=grads_block_k, **{**tuning, "num_warps": grads_warps})
     return (*out, ds0)
 
 
@@ -196,11 +175,10 @@ def pallas_chunk_kda_bwd(
     cu_seqlens: object | None = None,
     interpret: bool | None = None,
     block_v: int | None = None,
-    grads_block_v: int | None = None,
+    grads_block_k: int = 32,
     num_warps: int = 8,
     num_stages: int = 1,
-    grads_warps: int | None = None,
-    value: str = "chunk",
+    grads_warps: int = 4,
 ) -> tuple[jax.Array, ...]:
     """Gradients of ``pallas_chunk_kda``'s ``(o, final_state)`` (safe gate, fla conventions).
 
@@ -208,12 +186,12 @@ def pallas_chunk_kda_bwd(
     [B, H, K, V] (with ``cu_seqlens``, host offsets [N + 1] of packed sequences and B == 1:
     [N, H, K, V]). Returns ``(dq, dk, dv, dg, dbeta, d initial_state)`` in the inputs' dtypes
     (the state gradient fp32). ``interpret`` defaults to True off GPU. ``block_v``: V columns per
-    program of the two state recurrences (default ``default_block_v``); ``grads_block_v``: V
-    columns per step of the value sums' loop (``value="chunk"``) or key channels per program
-    (``value="channels"``; see ``stage_grads``), default 32.
-    ``grads_warps``: num_warps of the gradient pass alone (default ``num_warps``). 8 warps by
-    default: on an H200 at B4 T8192 H96 the recompute took 10.0 ms at 8 warps vs 12.4 at 4, the
-    gradient pass 44.1 vs 47.7, the state passes the same (benchmarks/RESULTS.md).
+    program of the two state recurrences (default ``default_block_v``); ``grads_block_k``: key
+    channels per program of the gradient pass's value sums (see ``stage_grads``; the whole K
+    where it does not divide K). ``num_warps`` (the recompute and the state passes) and
+    ``grads_warps`` (the gradient pass): the fastest measured on an H200 at B4 T8192 H96 and
+    B1 T32768 H16 (benchmarks/RESULTS.md): the recompute 9.9 ms at 8 warps vs 12.4 at 4, the
+    gradient pass 39.1 ms at 4 vs 41.8 at 8.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -224,22 +202,24 @@ def pallas_chunk_kda_bwd(
         if bad:
             raise ValueError(
                 f"pallas KDA backward on GPU needs K and V powers of two >= 16 (Triton), got {bad}")
-    if value not in VALUE_PASSES:
-        raise ValueError(f"value: expected one of {VALUE_PASSES}, got {value!r}")
     n_states = B
     if cu_seqlens is not None:  # packed sequences: run on the chunk-aligned layout
         if B != 1:
             raise ValueError(f"cu_seqlens: packed sequences need B == 1, got q shape {q.shape}")
         layout = chunk_layout(host_offsets(cu_seqlens, T), C)
         n_states = layout.chunk_offsets.size - 1
-    blocks = {}
-    for name, size, default in (("block_v", block_v, default_block_v(n_states * H)),
-                                ("grads_block_v", grads_block_v, 32)):
-        if size is None:  # a default that does not divide V falls back to all of V
-            size = default if V % default == 0 else V
-        blocks[name] = min(size, V)
-        if V % blocks[name]:
-            raise ValueError(f"{name}: V={V} is not a multiple of {name}={blocks[name]}")
+    if block_v is None:  # a default that does not divide V falls back to all of V
+        block_v = default_block_v(n_states * H)
+        block_v = block_v if V % block_v == 0 else V
+    block_v = min(block_v, V)
+    if V % block_v:
+        raise ValueError(f"block_v: V={V} is not a multiple of block_v={block_v}")
+    if grads_block_k < 1:
+        raise ValueError(f"grads_block_k: expected a positive channel count, got {grads_block_k}")
+    grads_block_k = grads_block_k if K % grads_block_k == 0 else K
+    if not interpret and (grads_block_k < 16 or grads_block_k & (grads_block_k - 1)):
+        raise ValueError(
+            f"grads_block_k: expected a power of two >= 16 on GPU (Triton), got {grads_block_k}")
     if cu_seqlens is not None:
         q, k, v, g, beta, do = (to_aligned(x, layout) for x in (q, k, v, g, beta, do))
         offsets = jnp.asarray(layout.chunk_offsets)
@@ -255,8 +235,8 @@ def pallas_chunk_kda_bwd(
     dq, dk, dv, dg, db, ds0 = _bwd(
         q, k, v, g, beta, initial_state.astype(_F32), do.astype(v.dtype), dht.astype(_F32),
         offsets, scale=float(scale), interpret=bool(interpret), num_warps=num_warps,
-        num_stages=num_stages, grads_warps=num_warps if grads_warps is None else grads_warps,
-        value=value, **blocks,
+        num_stages=num_stages, grads_warps=grads_warps, block_v=block_v,
+        grads_block_k=grads_block_k,
     )
     out = (dq, dk, dv, dg, db)
     if cu_seqlens is not None:

@@ -5,8 +5,8 @@ G_last summed directly) while the pure-JAX backward uses whole-chunk algebra and
 row of the cumsum, exactly like the reference. With in-chunk log decays |G| up to ~160, fp32
 rounding of those two sums moves exp(G_last - G) by ~|G| * 6e-8 ~ 1e-5 relative, so the two agree
 to 2e-5 (measured <= 1e-5; both are within that of autodiff of the reference).
-block_v = grads_block_v = 8 < V = 24 exercises the V split of the state recurrences and the V loop
-of the gradient kernel.
+block_v = 8 < V = 24 exercises the V split of the state recurrences, grads_block_k = 8 < K the
+key-channel split of the gradient pass's value sums.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _args(x, with_state: bool) -> tuple:
 def test_matches_pure_jax_backward(T: int, with_state: bool) -> None:
     args = _args(make_case(T, seed=T), with_state)
     want = chunk_kda_bwd(*args, scale=K**-0.5)
-    got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, interpret=True, block_v=8, grads_block_v=8)
+    got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, interpret=True, block_v=8, grads_block_k=8)
     for name, a, b in zip(NAMES, got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert rel(a, b) <= 2e-5, name
@@ -44,7 +44,7 @@ def test_bf16_matches_pure_jax_backward() -> None:
     args = tuple(a.astype(jnp.bfloat16) if i in (0, 1, 2, 3, 4, 6) else a
                  for i, a in enumerate(_args(x, True)))
     want = chunk_kda_bwd(*args, scale=K**-0.5)
-    got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, interpret=True, block_v=8, grads_block_v=8)
+    got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, interpret=True, block_v=8, grads_block_k=8)
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == b.dtype, name
         assert rel(a, b) <= 1e-2, name
@@ -65,8 +65,8 @@ def test_validates_block_v() -> None:
     args = _args(make_case(1, seed=0), True)
     with pytest.raises(ValueError, match="block_v"):
         pallas_chunk_kda_bwd(*args, scale=1.0, interpret=True, block_v=16)
-    with pytest.raises(ValueError, match="grads_block_v"):
-        pallas_chunk_kda_bwd(*args, scale=1.0, interpret=True, grads_block_v=16)
+    with pytest.raises(ValueError, match="grads_block_k"):
+        pallas_chunk_kda_bwd(*args, scale=1.0, interpret=True, grads_block_k=0)
     with pytest.raises(ValueError, match="dht: expected shape"):
         pallas_chunk_kda_bwd(*args[:7], args[7][:1], scale=1.0, interpret=True)
 
@@ -84,7 +84,7 @@ def test_packed_sequences_match_reference_autodiff() -> None:
                                             cu_seqlens=cu), *args, s0)
     want = vjp((x["do"], dht))
     got = pallas_chunk_kda_bwd(*args, s0, x["do"], dht, scale=K**-0.5, cu_seqlens=cu,
-                               interpret=True, block_v=8, grads_block_v=8)
+                               interpret=True, block_v=8, grads_block_k=8)
     for name, a, b in zip(NAMES, got, want):
         assert a.shape == b.shape, name
         assert rel(a, b) <= 2e-5, name
@@ -100,12 +100,12 @@ def test_grads_warps_reaches_only_the_gradient_kernels() -> None:
     tok, st = (1, 128, H, d), (1, H, d, d)
     args = (f(tok, jnp.bfloat16), f(tok, jnp.bfloat16), f(tok, jnp.bfloat16), f(tok, jnp.float32),
             f((1, 128, H), jnp.float32), f(st, jnp.float32), f(tok, jnp.bfloat16), f(st, jnp.float32))
-    fn = lambda *a: pallas_chunk_kda_bwd(*a, scale=d**-0.5, interpret=False, grads_warps=4)  # noqa: E731
+    fn = lambda *a: pallas_chunk_kda_bwd(*a, scale=d**-0.5, interpret=False, grads_warps=2)  # noqa: E731
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     warps = {re.search(r'name = "([^"]+)"', line).group(1): int(re.search(r"num_warps = (\d+)", line).group(1))
              for line in text.splitlines() if "__gpu$xla.gpu.triton" in line}
     assert {name: w for name, w in warps.items() if "grads" in name} == {
-        "kda_bwd_grads_v": 4, "kda_bwd_grads_k_blocked": 4}
+        "kda_bwd_grads_v_keys": 2, "kda_bwd_grads_v_chunk": 2, "kda_bwd_grads_k_blocked": 2}
     assert {w for name, w in warps.items() if "grads" not in name} == {8}  # the default
