@@ -47,8 +47,8 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
-from pallas_kernels.kda.api import chunk_kda
 from pallas_kernels.kda.pallas_kda import pallas_chunk_kda_fused_gate
+from pallas_kernels.kda.pallas_kda_bwd import pallas_chunk_kda_bwd
 from pallas_kernels.moe.pallas_grouped_gemm import grouped_gate_up_situ, grouped_matmul
 
 H200_CAPABILITY = 90
@@ -179,20 +179,16 @@ def _kda_fwd(intra: str, block_v: int, warps: int | None) -> tuple[Callable, tup
     return fn, args
 
 
-def _kda_bwd() -> tuple[Callable, tuple]:
-    """The VJP of ``chunk_kda`` (bf16, pre-activated gate). Only the cotangents are returned and the
-    backward recomputes from the inputs, so jax drops the forward kernels: the rows are the
-    backward's own kernels, at the num_warps it picks (``chunk_kda`` takes none)."""
+def _kda_bwd(key_side: str) -> tuple[Callable, tuple]:
+    """The backward's own kernels (bf16, pre-activated gate) at the num_warps it picks, with the
+    gradient pass's key side split by "blocks" or "channels"."""
     tokens = (KDA_B, KDA_T, KDA_H, KDA_D)
     state = sds((KDA_B, KDA_H, KDA_D, KDA_D), jnp.float32)
     args = (sds(tokens, jnp.bfloat16),) * 4 + (sds((KDA_B, KDA_T, KDA_H), jnp.bfloat16), state,
                                                sds(tokens, jnp.bfloat16), state)
 
-    def fn(q, k, v, g, beta, h0, do, dht):
-        forward = lambda *x: chunk_kda(*x[:5], initial_state=x[5], output_final_state=True,  # noqa: E731
-                                       implementation="pallas", lower_bound=LOWER_BOUND)
-        _, vjp = jax.vjp(forward, q, k, v, g, beta, h0)
-        return vjp((do, dht))
+    def fn(*a: jax.Array) -> tuple[jax.Array, ...]:
+        return pallas_chunk_kda_bwd(*a, scale=KDA_D**-0.5, interpret=False, key_side=key_side)
 
     return fn, args
 
@@ -214,7 +210,8 @@ def _moe_down() -> tuple[Callable, tuple]:
 CASES: dict[str, Callable[[int | None], tuple[Callable, tuple]]] = {
     "kda_fwd_v1": lambda warps: _kda_fwd("v1", 128, warps),
     "kda_fwd_split": lambda warps: _kda_fwd("split", 64, warps),
-    "kda_bwd": lambda _warps: _kda_bwd(),
+    "kda_bwd": lambda _warps: _kda_bwd("blocks"),
+    "kda_bwd_channels": lambda _warps: _kda_bwd("channels"),
     "moe_gate_up": lambda _warps: _moe_gate_up(),
     "moe_down": lambda _warps: _moe_down(),
 }

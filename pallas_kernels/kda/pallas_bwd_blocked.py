@@ -23,14 +23,16 @@ from pallas_kernels.kda.chunk_math import BC, C, CLAMP, MID, NC, dot, pair_dtype
 _F32 = jnp.float32
 
 
-def _key_side(b, h, c, q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dq_ref, dk_ref, dg_ref, db_ref,
-              sums, *, scale, mm_dtype) -> None:
-    """Store dq, dk, dg, dbeta of chunk c. ``sums`` gives the V sums by row block: ``dqg(i)``,
-    ``dkd(i)``, ``yw(i)`` = (A^T dW)_i [16, K], ``dlu(i, j)``, ``daqk(i, j)`` [16, 16] for
-    ``j <= i``, ``dbv(i)`` [16] and ``dgl`` [1, K]."""
+def key_side(b, h, c, ks, q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, dg_ref, store_dbeta, sums,
+             *, scale, mm_dtype) -> None:
+    """Store dq, dk, dg of chunk c in key channels ``ks`` (a slice or ``pl.ds``), and hand each
+    row block's dbeta terms summed over those channels to ``store_dbeta(i, [16])``. ``sums``
+    gives the V sums by row block: ``dqg(i)``, ``dkd(i)``, ``yw(i)`` = (A^T dW)_i [16, |ks|],
+    ``dl(i, j, yw_i)`` and ``daqk(i, j)`` [16, 16] for ``j <= i`` (masking of the diagonal
+    blocks is done here) and ``dgl`` [1, |ks|]. Every term is per channel except the dbeta sums."""
     t0 = c * C
     rs = lambda i: pl.ds(t0 + i * BC, BC)  # noqa: E731
-    ld = lambda ref, i: ref[b, rs(i), h, :].astype(_F32)  # noqa: E731
+    ld = lambda ref, i: ref[b, rs(i), h, ks].astype(_F32)  # noqa: E731
     ri = lax.broadcasted_iota(jnp.int32, (BC, BC), 0)
     ci = lax.broadcasted_iota(jnp.int32, (BC, BC), 1)
 
@@ -61,7 +63,7 @@ def _key_side(b, h, c, q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dq_ref, dk_ref,
         for j in range(i + 1):
             cf = jnp.exp(jnp.minimum(mids[i] - Gs[j], CLAMP))
             kc = ld(k_ref, j) * cf
-            dl = -dot(yw, w_ref[b, rs(j), h, :], mm_dtype, trans_b=True) - sums["dlu"](i, j)
+            dl = sums["dl"](i, j, yw)
             da = sums["daqk"](i, j)
             if i == j:
                 dl = jnp.where(ri > ci, dl, 0.0)
@@ -77,14 +79,13 @@ def _key_side(b, h, c, q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dq_ref, dk_ref,
         dqs = sums["dqg"](i) * eg + rq
         dk = beta * rk + cols[i] + beta * yw * eg + dkd * ed
         dG = qs * dqs + beta * k * rk - k * cols[i] + beta * yw * k * eg - dkd * k * ed
-        dbeta = sums["dbv"](i) + jnp.sum(yw * k * eg, axis=1) + jnp.sum(k * rk, axis=1)
+        store_dbeta(i, jnp.sum(yw * k * eg, axis=1) + jnp.sum(k * rk, axis=1))
         col_sum = jnp.sum(dG, axis=0)[None, :]
         dg = col_sum - jnp.cumsum(dG, axis=0) + dG + suffix + dG_last
         suffix = suffix + col_sum
-        dq_ref[b, rs(i), h, :] = (dqs * scale).astype(dq_ref.dtype)
-        dk_ref[b, rs(i), h, :] = dk.astype(dk_ref.dtype)
-        dg_ref[b, rs(i), h, :] = dg.astype(dg_ref.dtype)
-        db_ref[b, rs(i), h] = dbeta.astype(db_ref.dtype)
+        dq_ref[b, rs(i), h, ks] = (dqs * scale).astype(dq_ref.dtype)
+        dk_ref[b, rs(i), h, ks] = dk.astype(dk_ref.dtype)
+        dg_ref[b, rs(i), h, ks] = dg.astype(dg_ref.dtype)
 
 
 def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dqg_ref, dw_ref, dkd_ref,
@@ -101,10 +102,14 @@ def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dqg_ref, dw_ref
         dkd=lambda i: dkd_ref[b, rs(i), h, :],
         yw=lambda i: dot(a_ref[b, pl.ds(t0, C), h, pl.ds(i * BC, BC)], dW, mm_dtype,
                          trans_a=True),
-        dlu=lambda i, j: blk(dlu_ref, i, j),
+        dl=lambda i, j, yw: (-dot(yw, w_ref[b, rs(j), h, :], mm_dtype, trans_b=True)
+                             - blk(dlu_ref, i, j)),
         daqk=lambda i, j: blk(daqk_ref, i, j),
-        dbv=lambda i: dbv_ref[b, rs(i), h],
         dgl=dgl_ref[b, c, h, :][None, :],
     )
-    _key_side(b, h, c, q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dq_ref, dk_ref, dg_ref, db_ref,
-              sums, scale=scale, mm_dtype=mm_dtype)
+
+    def store_dbeta(i, dbeta):
+        db_ref[b, rs(i), h] = (dbv_ref[b, rs(i), h] + dbeta).astype(db_ref.dtype)
+
+    key_side(b, h, c, slice(None), q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, dg_ref,
+             store_dbeta, sums, scale=scale, mm_dtype=mm_dtype)

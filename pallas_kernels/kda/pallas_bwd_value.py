@@ -42,12 +42,21 @@ def key_sums_kernel(hs_ref, dhs_ref, do_ref, dvn_ref, vn_ref, dqg_ref, dw_ref, d
 
 
 def chunk_sums_kernel(a_ref, b_ref, u_ref, v_ref, do_ref, dvn_ref, vn_ref, dv_ref, daqk_ref,
-                      dlu_ref, dbeta_ref, *, mm_dtype):
+                      pair_ref, dbeta_ref, *yu_ref, mm_dtype, key_side):
+    """``pair_ref`` gets ``dLU = yu U^T`` for the "blocks" key side, which forms
+    ``dL = -(A^T dW) W^T - dLU`` itself; for the "channels" key side it gets ``dL`` directly,
+    ``-yu v_new^T`` (the same matrix: ``v_new = A r`` with ``r = beta v - beta k e^G h``, so
+    ``dL = -A^T (dv_new r^T) A^T``), and ``yu`` is stored for the channel kernels."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ts = pl.ds(c * C, C)
     yu = dot(a_ref[b, ts, h, :], dvn_ref[b, ts, h, :], mm_dtype, trans_a=True)  # d(beta v)
     beta = b_ref[b, ts, h].astype(_F32)
     dv_ref[b, ts, h, :] = (beta[:, None] * yu).astype(dv_ref.dtype)
-    daqk_ref[b, ts, h, :] = dot(do_ref[b, ts, h, :], vn_ref[b, ts, h, :], mm_dtype, trans_b=True)
-    dlu_ref[b, ts, h, :] = dot(yu, u_ref[b, ts, h, :], mm_dtype, trans_b=True)
+    vn = vn_ref[b, ts, h, :]
+    daqk_ref[b, ts, h, :] = dot(do_ref[b, ts, h, :], vn, mm_dtype, trans_b=True)
+    if key_side == "channels":
+        pair_ref[b, ts, h, :] = -dot(yu, vn, mm_dtype, trans_b=True)
+        yu_ref[0][b, ts, h, :] = yu.astype(yu_ref[0].dtype)
+    else:
+        pair_ref[b, ts, h, :] = dot(yu, u_ref[b, ts, h, :], mm_dtype, trans_b=True)
     dbeta_ref[b, ts, h] = jnp.sum(yu * v_ref[b, ts, h, :].astype(_F32), axis=1)
