@@ -2,7 +2,7 @@
 
 The same three passes as ``chunk_backward.py``, as ``pl.pallas_call``s (this file: the wrappers and
 the entry point; kernel bodies in ``pallas_bwd_states.py``, ``pallas_bwd_value.py``,
-``pallas_bwd_blocked.py``):
+``pallas_bwd_blocked.py``, ``pallas_bwd_channels.py``):
 
 1. ``stage_parts``, grid ``(B, H, N)``, parallel: recompute the chunk's A = (I + L)^{-1}, W, U,
    Aqk, Qg, Kd and decay gl from q, k, v, g, beta with the forward's own intra kernels.
@@ -12,7 +12,9 @@ the entry point; kernel bodies in ``pallas_bwd_states.py``, ``pallas_bwd_value.p
    gradient.
 3. ``stage_grads``, parallel over chunks: dq, dk, dv, dg, dbeta of every chunk: the
    V-contracting sums (through HBM; key-channel blocks in the grid), then the key side in 16-row
-   blocks with ~5x fewer multiply-adds than whole-chunk products. Variants measured slower on the
+   blocks with ~5x fewer multiply-adds than whole-chunk products (``key_side="blocks"``, the
+   default); ``key_side="channels"`` runs sums and key side together per key-channel block
+   (not yet timed on a GPU). Variants measured slower on the
    H200 and removed (benchmarks/RESULTS.md): whole-chunk key sides ("fused"/"split", 2.2x), one
    kernel for both sides ("fused_blocked", 16x), one program per chunk for all the V sums.
 
