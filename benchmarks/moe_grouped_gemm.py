@@ -230,21 +230,15 @@ def part_jax(budget_s: float, tune: bool = False) -> None:
 
 def part_torch() -> None:
     import torch
-    import triton
+
+    from benchmarks.torch_peer import do_bench_ms, torch_situ
 
     dev, bf16 = "cuda", torch.bfloat16
     res: dict = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}}
 
-    def bench(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=200, quantiles=[0.5, 0.2, 0.8])
-
-    def situ(g, u):
-        g, u = g.float(), u.float()
-        return (4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * 25.0 * torch.tanh(u / 25.0)).to(bf16)
-
     n = 8192
     a, b = torch.randn(n, n, device=dev, dtype=bf16), torch.randn(n, n, device=dev, dtype=bf16)
-    res["matmul_8192_TFLOPs"] = 2 * n**3 / bench(lambda: a @ b)[0] / 1e9
+    res["matmul_8192_TFLOPs"] = 2 * n**3 / do_bench_ms(lambda: a @ b)[0] / 1e9
     del a, b
     for label, num_experts, kind, dist in CASES:
         k_dim, n_dim = dims(kind)
@@ -260,18 +254,18 @@ def part_torch() -> None:
             # spot check against a per-group matmul
             s0, s1 = 0, int(sizes[0])
             err = ((out[s0:s1].float() - (x[s0:s1].float() @ w[0].float())).norm() / out[s0:s1].float().norm()).item()
-            ms = bench(lambda: torch._grouped_mm(x, w, offs=offs))
+            ms = do_bench_ms(lambda: torch._grouped_mm(x, w, offs=offs))
             r["grouped_mm"] = {"ms_med_p20_p80": ms, "TFLOPs": flops / ms[0] / 1e9, "rel_err_group0": err}
             if kind == "gate_up":  # + an unfused SiTU epilogue in torch (what ours fuses)
                 def gm_situ():
                     y = torch._grouped_mm(x, w, offs=offs)
-                    return situ(y[:, : n_dim // 2], y[:, n_dim // 2:])
-                ms = bench(gm_situ)
+                    return torch_situ(y[:, : n_dim // 2], y[:, n_dim // 2:])
+                ms = do_bench_ms(gm_situ)
                 r["grouped_mm_plus_situ"] = {"ms_med_p20_p80": ms, "TFLOPs": flops / ms[0] / 1e9}
         except Exception as e:
             r["error"] = repr(e)[:500]
         bd = torch.randn(k_dim, n_dim, device=dev, dtype=bf16)
-        r["dense_same_flops_TFLOPs"] = flops / bench(lambda: x @ bd)[0] / 1e9
+        r["dense_same_flops_TFLOPs"] = flops / do_bench_ms(lambda: x @ bd)[0] / 1e9
         res[label] = r
         print(label, r, flush=True)
         del x, w, bd

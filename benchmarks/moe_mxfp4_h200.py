@@ -292,17 +292,11 @@ def part_jax(budget_s: float) -> None:
 
 def part_torch() -> None:
     import torch
-    import triton
+
+    from benchmarks.torch_peer import do_bench_ms, torch_situ
 
     dev, bf16 = "cuda", torch.bfloat16
     res: dict = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}}
-
-    def bench(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=200, quantiles=[0.5, 0.2, 0.8])
-
-    def situ(g, u):
-        g, u = g.float(), u.float()
-        return (BETA * torch.tanh(g / BETA) * torch.sigmoid(g) * LINEAR_BETA * torch.tanh(u / LINEAR_BETA)).to(bf16)
 
     def weights(e, n, k, requires_grad=False):
         # release layout [E, N, K]; grouped_mm wants (E, K, N): a transposed view, no copy
@@ -316,7 +310,7 @@ def part_torch() -> None:
         _, w = weights(num_experts, n_dim, k_dim)
         gflop = 2 * M * k_dim * n_dim / 1e9
         try:
-            ms = bench(lambda: torch._grouped_mm(x, w, offs=offs))
+            ms = do_bench_ms(lambda: torch._grouped_mm(x, w, offs=offs))
             res[label] = {"grouped_mm": {"ms_med_p20_p80": ms, "TFLOPs": gflop / ms[0]}}
         except Exception as err:
             res[label] = {"error": repr(err)[:500]}
@@ -332,13 +326,13 @@ def part_torch() -> None:
 
     def fwd_bwd():
         gu = torch._grouped_mm(x, w13_t, offs=offs)
-        y = torch._grouped_mm(situ(gu[:, :F], gu[:, F:]), w2_t, offs=offs)
+        y = torch._grouped_mm(torch_situ(gu[:, :F], gu[:, F:]), w2_t, offs=offs)
         return torch.autograd.grad(y, (x, w13, w2), cot)  # returned, not accumulated into .grad
 
     gflop = 3 * 2 * M * (H * 2 * F + F * H) / 1e9
     try:
         fwd_bwd()
-        ms = bench(fwd_bwd)
+        ms = do_bench_ms(fwd_bwd)
         res["mlp_fwd_bwd_E28"] = {"grouped_mm_autograd": {"ms_med_p20_p80": ms, "TFLOPs": gflop / ms[0]}}
     except Exception as err:
         res["mlp_fwd_bwd_E28"] = {"error": repr(err)[:500]}
