@@ -10,12 +10,13 @@ gradient ``[K, V]`` and ``v_new = U - W h`` (stored by the state recurrence, whi
   a quarter of the fp32 accumulators (a whole-chunk kernel holds three ``[64, 128]`` fp32 sums:
   255 registers per thread, one program per SM on an H200; this one needs 64 at 32 channels).
 - chunk sums, grid ``(B, H, N)``: ``yu = A^T dv_new`` (the gradient of ``beta v``), ``dv = beta yu``,
-  ``dAqk = dO v_new^T``, ``dLU = yu U^T`` and ``dbeta = sum_V yu * v``.
+  ``dAqk = dO v_new^T``, ``dbeta = sum_V yu * v`` and, by key side, ``dLU = yu U^T`` or ``dL``.
 
 Outputs go to HBM in fp32 (dW, only ever a matmul operand, in the operand dtype) for the blocked
-key-side kernel (``pallas_bwd_blocked.py``). Measured on an H200 at B4 T8192 H96, this value side
-plus the key side took 39.1 ms against 43.6 for one program per chunk that looped over V blocks
-with all the sums live (benchmarks/RESULTS.md).
+key-side kernel (``pallas_bwd_blocked.py``); the channel key side (``pallas_bwd_channels.py``)
+forms its key-channel sums itself and reads only the chunk sums. Measured on an H200 at B4
+T8192 H96, the key-channel sums plus the blocked key side took 39.1 ms against 43.6 for one
+program per chunk that looped over V blocks with all the sums live (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
