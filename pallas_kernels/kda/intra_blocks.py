@@ -68,27 +68,22 @@ def unit_lower_inverse(L):
     return X
 
 
-def inv_l2_norm(x):
-    """``rsqrt(sum x^2 + 1e-6)`` per row [n] in fp32: the q/k L2 norm of K3's fused call."""
-    x = x.astype(_F32)
-    return lax.rsqrt(jnp.sum(x * x, axis=1) + 1e-6)
-
-
-def activations(fused: bool, lower_bound: float, gs_ref, db_ref, h, ks=slice(None)):
+def activations(fused: bool, lower_bound: float, gs_ref, db_ref, h):
     """(gate, l2, beta) input activations of one head in fp32: K3's fused ones
     (``g = lb * sigmoid(exp(A_log) (g_raw + dt_bias))``, ``x rsqrt(sum x^2 + 1e-6)``, sigmoid),
-    or identities on pre-activated inputs. ``ks``: the key channels the gate is applied to."""
+    or identities on pre-activated inputs."""
     if not fused:
         f32 = lambda x: x.astype(_F32)  # noqa: E731
         return f32, f32, f32
-    gate_scale = gs_ref[h, ks].astype(_F32)[None, :]
-    dt_bias = db_ref[h, ks].astype(_F32)[None, :]
+    gate_scale = gs_ref[h, :].astype(_F32)[None, :]
+    dt_bias = db_ref[h, :].astype(_F32)[None, :]
 
     def gate(g):
         return lower_bound * jax.nn.sigmoid(gate_scale * (g.astype(_F32) + dt_bias))
 
     def l2(x):
-        return x.astype(_F32) * inv_l2_norm(x)[:, None]
+        x = x.astype(_F32)
+        return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6)
 
     return gate, l2, lambda beta: jax.nn.sigmoid(beta.astype(_F32))
 
@@ -126,19 +121,13 @@ def row_blocks(i, qs, beta, ks, Gs, mm_dtype):
     return L_row, A_row
 
 
-def row_product(i, X, operand_of, mm_dtype):
-    """Row block i of ``X @ operand``: the sum over j <= i, in order, of ``X[i, j] @ operand_of(j)``
-    (the operand given per 16-row sub-chunk j)."""
-    acc = _dot(X[i, 0], operand_of(0), mm_dtype)
+def row_product(i, X, operands, mm_dtype):
+    """Row block i of ``X @ operand`` from the operand's 16-row sub-chunks: the sum over j <= i,
+    in order, of ``X[i, j] @ operands[j]``."""
+    acc = _dot(X[i, 0], operands[0], mm_dtype)
     for j in range(1, i + 1):
-        acc = acc + _dot(X[i, j], operand_of(j), mm_dtype)
+        acc = acc + _dot(X[i, j], operands[j], mm_dtype)
     return acc
-
-
-def wu_row(i, X, bk_of, bv_of, mm_dtype):
-    """Row block i of ``W = X (beta k e^G)`` and ``U = X (beta v)`` (so a kernel may read v only
-    here)."""
-    return row_product(i, X, bk_of, mm_dtype), row_product(i, X, bv_of, mm_dtype)
 
 
 def store_row(ref, b, ts, h, blocks):

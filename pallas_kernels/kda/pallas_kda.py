@@ -51,8 +51,9 @@ Triton constraints: K, V and BV must be powers of two >= 16.
 
 Measured on one H200 (2026-11-29, benchmarks/RESULTS.md): B4 T8192 H96 D128 bf16 13.8 ms with
 the fused activations (fla-core 9.95 ms in the same job), B1 T32768 H16 4.03 ms (fla 2.28 ms,
-other job); bf16 error vs the fp32 reference equal to fla's. Defaults: ``num_warps=8, num_stages=1`` and ``default_tiles``
-(block_v and intra variant by the number of sequence-heads), the fastest measured.
+other job); bf16 error vs the fp32 reference equal to fla's. Defaults: ``num_warps=8,
+num_stages=1`` and ``default_tiles`` (block_v and intra variant by the number of
+sequence-heads), the fastest measured.
 ``intra="split"`` runs the intra stage as two kernels (``_intra_solve_kernel``,
 ``_intra_wu_kernel``) with a smaller register set per kernel. Variants measured slower on the
 H200 and removed (benchmarks/RESULTS.md): "lean", "blocks", "stream" (v1 reordered for 16 warps)
@@ -74,8 +75,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda.chunk_math import BC, C, NC
 from pallas_kernels.kda.chunk_math import dot as _dot
 from pallas_kernels.kda.intra_blocks import (
-    activations, compiler_params, cumulative_gate, matmul_dtypes, row_blocks, store_row,
-    unit_lower_inverse, wu_row,
+    activations, compiler_params, cumulative_gate, matmul_dtypes, row_blocks, row_product,
+    store_row, unit_lower_inverse,
 )
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
@@ -120,9 +121,8 @@ def _intra_kernel(
     bv = [betas[j][:, None] * vs[j].astype(_F32) for j in range(NC)]
     for i in range(NC):
         ts = pl.ds(t0 + i * BC, BC)
-        w, u = wu_row(i, X, bk.__getitem__, bv.__getitem__, mm_dtype)
-        w_ref[b, ts, h, :] = w.astype(sd)
-        u_ref[b, ts, h, :] = u.astype(u_ref.dtype)
+        w_ref[b, ts, h, :] = row_product(i, X, bk, mm_dtype).astype(sd)
+        u_ref[b, ts, h, :] = row_product(i, X, bv, mm_dtype).astype(u_ref.dtype)
         qg_ref[b, ts, h, :] = (qs[i] * jnp.exp(Gs[i])).astype(sd)
         kd_ref[b, ts, h, :] = (ks[i] * jnp.exp(G_last[None, :] - Gs[i])).astype(sd)
         store_row(a_ref, b, ts, h, Aqk[i])
