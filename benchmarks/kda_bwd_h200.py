@@ -294,7 +294,7 @@ def run_jax():
             attempt(r, tag, lambda side=side, gbk=gbk, nw=nw, ns=ns: bench(
                 lambda *a: pb.stage_grads(*a, scale=scale, block_k=gbk, key_side=side,
                                           **tun(nw, ns)),
-                (q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, vn)))
+                (q, k, v, g, beta, A, hs, dhs, do, dvn, vn)))
             save(res, out)
 
     # (shape, grads (key_side, block_k, warps, stages), parts (warps, stages),

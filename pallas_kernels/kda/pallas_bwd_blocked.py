@@ -2,8 +2,8 @@
 
 Same result as ``chunk_math.key_grads`` (dq, dk, dg, dbeta of one chunk from the V sums), but the
 pairwise terms through ``L`` and ``Aqk`` are taken block by block: for every sub-chunk pair
-``J <= I`` the ``[16, 16]`` blocks ``dL[I, J] = -(A^T dW)_I W_J^T - dLU[I, J]`` and ``dAqk[I, J]``
-(loaded from HBM, where the V-sum kernel left them), each with the decay factors of row block I's
+``J <= I`` the ``[16, 16]`` blocks ``dL[I, J]`` and ``dAqk[I, J]`` (loaded from HBM, where the
+chunk kernel of ``pallas_bwd_value.py`` left them), each with the decay factors of row block I's
 midpoint. That is ~1.7M multiply-adds per chunk instead of the ~8.4M of the whole-chunk masked
 products, since Pallas-Triton can only take sub-blocks of memory refs, not of register values.
 
@@ -28,7 +28,7 @@ def key_side(b, h, c, ks, q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, dg_ref, st
     """Store dq, dk, dg of chunk c in key channels ``ks`` (a slice or ``pl.ds``), and hand each
     row block's dbeta terms summed over those channels to ``store_dbeta(i, [16])``. ``sums``
     gives the V sums by row block: ``dqg(i)``, ``dkd(i)``, ``yw(i)`` = (A^T dW)_i [16, |ks|],
-    ``dl(i, j, yw_i)`` and ``daqk(i, j)`` [16, 16] for ``j <= i`` (masking of the diagonal
+    ``dl(i, j)`` and ``daqk(i, j)`` [16, 16] for ``j <= i`` (masking of the diagonal
     blocks is done here) and ``dgl`` [1, |ks|]. Every term is per channel except the dbeta sums."""
     t0 = c * C
     rs = lambda i: pl.ds(t0 + i * BC, BC)  # noqa: E731
@@ -63,7 +63,7 @@ def key_side(b, h, c, ks, q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, dg_ref, st
         for j in range(i + 1):
             cf = jnp.exp(jnp.minimum(mids[i] - Gs[j], CLAMP))
             kc = ld(k_ref, j) * cf
-            dl = sums["dl"](i, j, yw)
+            dl = sums["dl"](i, j)
             da = sums["daqk"](i, j)
             if i == j:
                 dl = jnp.where(ri > ci, dl, 0.0)
@@ -88,9 +88,9 @@ def key_side(b, h, c, ks, q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, dg_ref, st
         dg_ref[b, rs(i), h, ks] = dg.astype(dg_ref.dtype)
 
 
-def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dqg_ref, dw_ref, dkd_ref,
-                       daqk_ref, dlu_ref, dgl_ref, dbv_ref, dq_ref, dk_ref, dg_ref, db_ref, *,
-                       scale, mm_dtype):
+def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, dqg_ref, dw_ref, dkd_ref, daqk_ref,
+                       dl_ref, dgl_ref, dbv_ref, dq_ref, dk_ref, dg_ref, db_ref, *, scale,
+                       mm_dtype):
     """dq, dk, dg, dbeta of one chunk from the V sums that ``pallas_bwd_value`` left in HBM."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t0 = c * C
@@ -102,8 +102,7 @@ def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, w_ref, dqg_ref, dw_ref
         dkd=lambda i: dkd_ref[b, rs(i), h, :],
         yw=lambda i: dot(a_ref[b, pl.ds(t0, C), h, pl.ds(i * BC, BC)], dW, mm_dtype,
                          trans_a=True),
-        dl=lambda i, j, yw: (-dot(yw, w_ref[b, rs(j), h, :], mm_dtype, trans_b=True)
-                             - blk(dlu_ref, i, j)),
+        dl=lambda i, j: blk(dl_ref, i, j),
         daqk=lambda i, j: blk(daqk_ref, i, j),
         dgl=dgl_ref[b, c, h, :][None, :],
     )

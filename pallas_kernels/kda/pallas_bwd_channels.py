@@ -38,7 +38,7 @@ def channel_grads_kernel(q_ref, k_ref, g_ref, b_ref, hs_ref, dhs_ref, do_ref, vn
         dqg=lambda i: dot(do_ref[b, rs(i), h, :], hk, mm_dtype, trans_b=True),
         dkd=dkd.__getitem__,
         yw=lambda i: -dot(yu_ref[b, rs(i), h, :], hk, mm_dtype, trans_b=True),
-        dl=lambda i, j, _yw: blk(dl_ref, i, j),
+        dl=lambda i, j: blk(dl_ref, i, j),
         daqk=lambda i, j: blk(daqk_ref, i, j),
         dgl=jnp.sum(hk.astype(_F32) * dhk.astype(_F32), axis=1)[None, :],
     )

@@ -10,7 +10,7 @@ gradient ``[K, V]`` and ``v_new = U - W h`` (stored by the state recurrence, whi
   a quarter of the fp32 accumulators (a whole-chunk kernel holds three ``[64, 128]`` fp32 sums:
   255 registers per thread, one program per SM on an H200; this one needs 64 at 32 channels).
 - chunk sums, grid ``(B, H, N)``: ``yu = A^T dv_new`` (the gradient of ``beta v``), ``dv = beta yu``,
-  ``dAqk = dO v_new^T``, ``dbeta = sum_V yu * v`` and, by key side, ``dLU = yu U^T`` or ``dL``.
+  ``dAqk = dO v_new^T``, ``dL = -yu v_new^T`` and ``dbeta = sum_V yu * v``.
 
 Outputs go to HBM in fp32 (dW, only ever a matmul operand, in the operand dtype) for the blocked
 key-side kernel (``pallas_bwd_blocked.py``); the channel key side (``pallas_bwd_channels.py``)
@@ -42,12 +42,12 @@ def key_sums_kernel(hs_ref, dhs_ref, do_ref, dvn_ref, vn_ref, dqg_ref, dw_ref, d
     dgl_ref[b, c, h, ks] = jnp.sum(hk.astype(_F32) * dhk.astype(_F32), axis=1)
 
 
-def chunk_sums_kernel(a_ref, b_ref, u_ref, v_ref, do_ref, dvn_ref, vn_ref, dv_ref, daqk_ref,
-                      pair_ref, dbeta_ref, *yu_ref, mm_dtype, key_side):
-    """``pair_ref`` gets ``dLU = yu U^T`` for the "blocks" key side, which forms
-    ``dL = -(A^T dW) W^T - dLU`` itself; for the "channels" key side it gets ``dL`` directly,
-    ``-yu v_new^T`` (the same matrix: ``v_new = A r`` with ``r = beta v - beta k e^G h``, so
-    ``dL = -A^T (dv_new r^T) A^T``), and ``yu`` is stored for the channel kernels."""
+def chunk_sums_kernel(a_ref, b_ref, v_ref, do_ref, dvn_ref, vn_ref, dv_ref, daqk_ref, dl_ref,
+                      dbeta_ref, *yu_ref, mm_dtype):
+    """``dL = -yu v_new^T``: with ``v_new = A r`` (``r = beta v - beta k e^G h``) and
+    ``A = (I + L)^{-1}``, ``dL = -A^T (dv_new r^T) A^T = -(A^T dv_new) v_new^T``, one [C, C]
+    product instead of ``-(A^T dW) W^T - yu U^T`` per block pair. ``yu_ref`` (the channel key
+    side's input) receives ``yu`` when given."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ts = pl.ds(c * C, C)
     yu = dot(a_ref[b, ts, h, :], dvn_ref[b, ts, h, :], mm_dtype, trans_a=True)  # d(beta v)
@@ -55,9 +55,7 @@ def chunk_sums_kernel(a_ref, b_ref, u_ref, v_ref, do_ref, dvn_ref, vn_ref, dv_re
     dv_ref[b, ts, h, :] = (beta[:, None] * yu).astype(dv_ref.dtype)
     vn = vn_ref[b, ts, h, :]
     daqk_ref[b, ts, h, :] = dot(do_ref[b, ts, h, :], vn, mm_dtype, trans_b=True)
-    if key_side == "channels":
-        pair_ref[b, ts, h, :] = -dot(yu, vn, mm_dtype, trans_b=True)
-        yu_ref[0][b, ts, h, :] = yu.astype(yu_ref[0].dtype)
-    else:
-        pair_ref[b, ts, h, :] = dot(yu, u_ref[b, ts, h, :], mm_dtype, trans_b=True)
+    dl_ref[b, ts, h, :] = -dot(yu, vn, mm_dtype, trans_b=True)
+    for ref in yu_ref:
+        ref[b, ts, h, :] = yu.astype(ref.dtype)
     dbeta_ref[b, ts, h] = jnp.sum(yu * v_ref[b, ts, h, :].astype(_F32), axis=1)

@@ -106,10 +106,10 @@ KEY_SIDES = ("blocks", "channels")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "key_side") + _TUNING)
-def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, vn, *, scale, block_k, key_side,
+def stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, *, scale, block_k, key_side,
                 interpret, num_warps, num_stages):
     """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes. A chunk kernel forms dv and the
-    chunk's [C, C] sums (``pallas_bwd_value``); then ``key_side``:
+    chunk's [C, C] sums dAqk and dL (``pallas_bwd_value``); then ``key_side``:
 
     - "blocks": the key-channel sums dQg, dW, dKd, dgl to HBM (fp32; key-channel blocks of
       ``block_k`` in the grid), then ``pallas_bwd_blocked``'s key side, one program per chunk
@@ -126,20 +126,20 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, vn, *, scale, block
     ck, cc = sds((B, Tp, H, K), _F32), sds((B, Tp, H, C), _F32)
     key_out = (sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype))
     channels = key_side == "channels"
-    dv, daqk, pair, dbeta_v, *yu = pl.pallas_call(
-        functools.partial(chunk_sums_kernel, mm_dtype=mm_dtype, key_side=key_side),
+    dv, daqk, dl, dbeta_v, *yu = pl.pallas_call(
+        functools.partial(chunk_sums_kernel, mm_dtype=mm_dtype),
         grid=(B, H, n),
         out_shape=(sds(v.shape, v.dtype), cc, cc, sds(beta.shape, _F32))
         + ((sds((B, Tp, H, v.shape[-1]), sd),) if channels else ()),
         interpret=interpret, name="kda_bwd_grads_v_chunk", **params,
-    )(A, beta, U, v, do, dvn, vn)
+    )(A, beta, v, do, dvn, vn)
     if channels:
         dq, dk, dg, dbeta_k = pl.pallas_call(
             functools.partial(channel_grads_kernel, scale=scale, mm_dtype=mm_dtype, bk=block_k),
             grid=(B, H, n, K // block_k),
             out_shape=key_out + (sds((B, K // block_k, Tp, H), _F32),),
             interpret=interpret, name="kda_bwd_grads_channels", **params,
-        )(q, k, g, beta, hs, dhs, do, vn, yu[0], pair, daqk)
+        )(q, k, g, beta, hs, dhs, do, vn, yu[0], dl, daqk)
         return dq, dk, dv, dg, (dbeta_v + jnp.sum(dbeta_k, axis=1)).astype(beta.dtype)
     dw = sds((B, Tp, H, K), sd)  # only ever a matmul operand of mm_dtype: stored like one
     dqg, dW, dkd, dgl = pl.pallas_call(
@@ -153,7 +153,7 @@ def stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, vn, *, scale, block
         grid=(B, H, n),
         out_shape=key_out + (sds(beta.shape, beta.dtype),),
         interpret=interpret, name="kda_bwd_grads_k_blocked", **params,
-    )(q, k, g, beta, A, W, dqg, dW, dkd, daqk, pair, dgl, dbeta_v)
+    )(q, k, g, beta, A, dqg, dW, dkd, daqk, dl, dgl, dbeta_v)
     return dq, dk, dv, dg, db
 
 
@@ -166,7 +166,7 @@ def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_
     hs, vn = stage_states(W, U, kd, gl, h0, chunk_offsets, block_v=block_v, **tuning)
     dhs, dvn, ds0 = stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets, block_v=block_v,
                                   **tuning)
-    out = stage_grads(q, k, v, g, beta, A, W, U, hs, dhs, do, dvn, vn, scale=scale,
+    out = stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, scale=scale,
                       block_k=grads_block_k, key_side=key_side,
                       **{**tuning, "num_warps": grads_warps})
     return (*out, ds0)
