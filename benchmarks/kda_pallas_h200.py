@@ -31,13 +31,10 @@ CHECK = (1, 2048, 8)  # numerics case shared by both halves
 LB = -5.0
 D = 128
 CMP = "/tmp/kda_cmp.npz"
-# (block_v, num_warps, num_stages, intra kernel, intra_warps); warps and stages apply to every kernel
-# of the call, intra_warps (None: num_warps) to the intra stage's. The defaults (`default_tiles`)
-# for many / few sequence-heads, then each one's runner-up of the 2026-11-29 sweeps.
-CONFIGS = [
-    (128, 8, 1, "v1", None), (64, 8, 1, "split", None),
-    (128, 8, 1, "split", None), (128, 8, 1, "v1", 16),
-]
+# (block_v, num_warps, num_stages, intra kernel); warps and stages apply to every kernel of the
+# call. The defaults (`default_tiles`) for many / few sequence-heads, then the runner-up of the
+# 2026-11-29 sweeps (benchmarks/RESULTS.md; 16-warp intra stages were slower everywhere).
+CONFIGS = [(128, 8, 1, "v1"), (64, 8, 1, "split"), (128, 8, 1, "split")]
 # KDA_SKIP_XLA=1 skips the slow unfused / XLA-reference columns (already recorded).
 SKIP_XLA = os.environ.get("KDA_SKIP_XLA") == "1"
 
@@ -149,7 +146,7 @@ def run_jax():
             num["fla_vs_ref_ht"] = rel(x["fla_ht"], ref_h)
             num["ours_bf16_vs_fla_o"] = rel(o.astype(jnp.float32), x["fla_o"])
         res["numerics_B1_T2048_H8"] = num
-    except Exception as e:  # keep going to timing
+    except Exception:  # keep going to timing
         import traceback
         res["numerics_error"] = traceback.format_exc()[-3000:]
     print(json.dumps(res, indent=1), flush=True)
@@ -168,13 +165,13 @@ def run_jax():
         args = (q, k, v, g, beta, A_log, dt_bias)
         name = f"B{B}_T{T}_H{H}"
         r = {}
-        for bv, nw, ns, intra, iw in CONFIGS:
-            tag = f"ours_fused_bv{bv}_w{nw}_s{ns}_{intra}" + (f"_iw{iw}" if iw else "")
+        for bv, nw, ns, intra in CONFIGS:
+            tag = f"ours_fused_bv{bv}_w{nw}_s{ns}_{intra}"
             try:
-                f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, it=intra, iw=iw:
+                f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, it=intra:
                             pallas_chunk_kda_fused_gate(q, k, v, g, b, a, d, lower_bound=LB,
                                                         block_v=bv, num_warps=nw, num_stages=ns,
-                                                        intra=it, intra_warps=iw))
+                                                        intra=it))
                 ms = bench(f, args)
                 r[f"{tag}_ms"] = round(ms, 4)
             except Exception as e:
