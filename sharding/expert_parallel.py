@@ -81,7 +81,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.moe.reference import situ
+from pallas_kernels.moe.reference import combine_by_token, situ
 from pallas_kernels.precision import exact_if_fp32
 
 F32 = jnp.float32
@@ -167,7 +167,7 @@ def _local_experts_partial(x, weights, ids, w1, w2, w3, *, expert_axis, mlp):
     token_of = order // k
     out = mlp(x[token_of], group_sizes, w1, w2, w3)
     pair_w = jnp.where(key[order] < e_loc, weights.reshape(-1)[order], 0.0)
-    return jnp.zeros((m, out.shape[-1]), F32).at[token_of].add(out.astype(F32) * pair_w[:, None])
+    return combine_by_token(out, pair_w, token_of, m)
 
 
 def _allgather_body(x, weights, ids, w1, w2, w3, *, expert_axis, mlp):

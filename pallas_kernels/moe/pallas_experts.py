@@ -16,7 +16,7 @@ from pallas_kernels.moe.pallas_grouped_gemm import (
     TileConfig, Weight, down_config, gate_up_config,
 )
 from pallas_kernels.moe.pallas_vjp import expert_mlp
-from pallas_kernels.moe.reference import MXFP4Experts, sort_by_expert
+from pallas_kernels.moe.reference import MXFP4Experts, combine_by_token, sort_by_expert
 
 F32 = jnp.float32
 
@@ -78,8 +78,7 @@ def experts_pallas(
     order, token_of, group_sizes = sort_by_expert(ids, w1.shape[0])
     outs = grouped_expert_mlp(x[token_of], group_sizes, w1, w2, w3, beta=beta, linear_beta=linear_beta,
                               interpret=interpret, gate_up_cfg=gate_up_cfg, down_cfg=down_cfg, bwd_cfg=bwd_cfg)
-    outs = outs.astype(F32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((num_tokens, outs.shape[-1]), F32).at[token_of].add(outs)
+    return combine_by_token(outs, weights.reshape(-1)[order], token_of, num_tokens)
 
 
 def grouped_expert_mlp(

@@ -67,6 +67,13 @@ def sort_by_expert(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Arr
     return order, order // ids.shape[1], group_sizes
 
 
+def combine_by_token(outs: jax.Array, pair_weights: jax.Array, token_of: jax.Array,
+                     num_tokens: int) -> jax.Array:
+    """fp32 [num_tokens, out]: each sorted pair's output times its routing weight, summed per token."""
+    weighted = outs.astype(F32) * pair_weights[:, None]
+    return jnp.zeros((num_tokens, outs.shape[-1]), F32).at[token_of].add(weighted)
+
+
 def experts_all_dense(
     x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, weights: jax.Array, ids: jax.Array,
     *, beta: float, linear_beta: float | None,
@@ -108,5 +115,4 @@ def experts_ragged_dot(
     else:
         hidden = gate_up(rows, w1, w3, group_sizes).astype(x.dtype)
     outs = grouped(hidden, w2) if down is None else down(hidden, w2, group_sizes)
-    outs = outs.astype(F32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((ids.shape[0], outs.shape[-1]), F32).at[token_of].add(outs)
+    return combine_by_token(outs, weights.reshape(-1)[order], token_of, ids.shape[0])
