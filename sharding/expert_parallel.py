@@ -81,6 +81,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.moe.api import auto_implementation
 from pallas_kernels.moe.reference import combine_by_token, situ
 from pallas_kernels.precision import exact_if_fp32
 
@@ -235,7 +236,7 @@ def _all_to_all_body(x, weights, ids, w1, w2, w3, *, expert_axis, ep, num_expert
     out = _expert_side(recv_x, recv_lid, w1, w2, w3, mlp)  # [recv_cap, out], receive order
     back = _ragged_exchange(out, home, there, n * k, expert_axis)  # [n*k, out] in sorted-pair order
     pair_w = jnp.where(sorted_ids < num_experts, weights.reshape(-1)[order], 0.0)
-    return jnp.zeros((n, back.shape[-1]), F32).at[order // k].add(back.astype(F32) * pair_w[:, None])
+    return combine_by_token(back, pair_w, order // k, n)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -352,7 +353,7 @@ def ep_routed_experts(
     weights = weights.astype(F32)
 
     if implementation == "auto":
-        implementation = "pallas" if jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16 else "xla"
+        implementation = auto_implementation(x.dtype)
     if implementation not in ("xla", "pallas"):
         raise ValueError(f"implementation={implementation!r}: expected 'auto', 'xla' or 'pallas'")
 

@@ -17,6 +17,12 @@ Implementation = Literal["auto", "xla", "dense", "pallas"]
 Weights = jax.Array | MXFP4Experts
 
 
+def auto_implementation(dtype: jnp.dtype) -> str:
+    """What "auto" runs: the Pallas kernels for bf16 on GPU, the XLA path elsewhere (see
+    `routed_experts`)."""
+    return "pallas" if jax.default_backend() == "gpu" and dtype == jnp.bfloat16 else "xla"
+
+
 def routed_experts(
     x: jax.Array, w1: Weights, w2: Weights, w3: Weights, weights: jax.Array, ids: jax.Array,
     *, beta: float, linear_beta: float | None, implementation: Implementation = "auto",
@@ -39,7 +45,7 @@ def routed_experts(
     """
     w1, w2, w3 = (decode_experts(w, x.dtype) for w in (w1, w2, w3))
     if implementation == "auto":
-        implementation = "pallas" if jax.default_backend() == "gpu" and x.dtype == jnp.bfloat16 else "xla"
+        implementation = auto_implementation(x.dtype)
     if implementation == "xla":
         return experts_ragged_dot(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
     if implementation == "dense":
