@@ -9,6 +9,8 @@ Results land in $OUT (or .) as moe_mxfp4_jax.json / moe_mxfp4_torch.json. Every 
 timed; a case that fails (compile error, wrong numbers) is recorded and the others still run.
 
 Cases (K3 per-GPU slices, M = 16384 rows sorted by expert, group sizes uniform):
+  * decode-sized batches (DECODE_ROWS = 256 rows over 28 experts): bf16 kernel vs MXFP4 decoded in the
+    kernel vs XLA decode + bf16 kernel, where weight bytes, not MMAs, set the time;
   * gate+up 3584 -> 2x3072 (SiTU fused) and down 3072 -> 3584 at E=28: the bf16 kernel on bf16 weights, the
     same kernels reading MXFP4 weights and decoding tiles in registers (default: weights as the MMA's left
     operand; also the plain orientation, and x in fragment order), and XLA decode of the whole layer
@@ -38,6 +40,7 @@ import time
 
 OUT = os.environ.get("OUT", ".")
 M, H, F = 16384, 3584, 3072
+DECODE_ROWS = 256  # routed rows per GPU in a decode step (e.g. 512 sequences x 16 experts over 32 expert shards)
 INTERPRET = False  # --smoke: tiny shapes in Pallas interpret mode on CPU, to check the script itself
 BETA, LINEAR_BETA = 4.0, 25.0
 
@@ -148,15 +151,15 @@ def part_jax(budget_s: float) -> None:
     print("edge cases (fp32 out, rel err):", edge, flush=True)
     save()
 
-    def forward_case(rec, num_experts, fused, k_dim, n_w, bf16_cfgs, mxfp4_cfgs) -> None:
-        """bf16 kernel, MXFP4 in-kernel decode and XLA decode + bf16 kernel on one GEMM shape, into rec."""
+    def forward_case(rec, num_experts, fused, k_dim, n_w, bf16_cfgs, mxfp4_cfgs, m) -> None:
+        """bf16 kernel, MXFP4 in-kernel decode and XLA decode + bf16 kernel on one GEMM shape (m rows), into rec."""
         kx, k1, k3 = jax.random.split(jax.random.key(num_experts + fused), 3)
-        x = jax.random.normal(kx, (M, k_dim), jnp.bfloat16)
+        x = jax.random.normal(kx, (m, k_dim), jnp.bfloat16)
         q1 = random_mxfp4(k1, num_experts, n_w, k_dim)
         q3 = random_mxfp4(k3, num_experts, n_w, k_dim) if fused else None
         d1 = q1.decode(jnp.bfloat16)
         d3 = q3.decode(jnp.bfloat16) if fused else None
-        gs = jnp.asarray(uniform_sizes(num_experts), jnp.int32)
+        gs = jnp.asarray(uniform_sizes(num_experts, m), jnp.int32)
         if fused:
             call = lambda cfg, **kw: jax.jit(functools.partial(  # noqa: E731
                 pg.grouped_gate_up_situ, cfg=cfg, interpret=INTERPRET, **kw))
@@ -172,7 +175,7 @@ def part_jax(budget_s: float) -> None:
             dense_args, packed_args = (x, d1, gs), (x, q1, gs)
         bf16_check = lambda out: (lambda e: (e, e <= 1e-2))(rel(out, ref32))  # noqa: E731
         for cfg in bf16_cfgs:
-            rec["mma_rows_" + tag(cfg)] = int(pg.mma_rows(gs, M, cfg))  # useful rows: M
+            rec["mma_rows_" + tag(cfg)] = int(pg.mma_rows(gs, m, cfg))  # useful rows: m
             run_case(rec, "bf16_" + tag(cfg), call(cfg), dense_args, bf16_check)
         same_bf16 = call(bf16_cfgs[0])(*dense_args)
         for i, cfg in enumerate(mxfp4_cfgs):
@@ -189,7 +192,7 @@ def part_jax(budget_s: float) -> None:
                 return err, same <= 5e-3 and err <= 1e-2
 
             run_case(rec, "mxfp4_" + tag(cfg), call(cfg), packed_args, check)
-        if num_experts != 28:
+        if num_experts != 28 or m != M:
             return
         # x's columns in fragment order (mxfp4_order.py), permuted here outside the timing: the kernel then
         # reads each thread's packed bytes contiguously (~17% fewer SASS instructions per k step, offline)
@@ -215,26 +218,33 @@ def part_jax(budget_s: float) -> None:
     # First entry of each list: the default config for those weights (the reference for the others). MXFP4:
     # the default (weights as the MMA's left operand) and the plain orientation.
     mx = functools.partial(pg.for_weights, mxfp4=True)
+    # decode-sized batches first (DECODE_ROWS rows over 28 experts, ~9 per expert): weight-bandwidth bound, where
+    # reading 4.25 bits per weight instead of 16 should pay for the in-kernel decode
     cases = [
+        ("gate_up_E28_decode", 28, True, [pg.gate_up_config(DECODE_ROWS, 28)],
+         [pg.gate_up_config(DECODE_ROWS, 28, mxfp4=True)], DECODE_ROWS),
+        ("down_E28_decode", 28, False, [pg.down_config(DECODE_ROWS, 28)],
+         [pg.down_config(DECODE_ROWS, 28, mxfp4=True)], DECODE_ROWS),
         ("gate_up_E28", 28, True, [pg.GATE_UP_DEFAULT],
-         [mx(pg.GATE_UP_DEFAULT), pg.GATE_UP_DEFAULT]),
+         [mx(pg.GATE_UP_DEFAULT), pg.GATE_UP_DEFAULT], M),
         ("down_E28", 28, False, [pg.DOWN_DEFAULT],
-         [mx(pg.DOWN_DEFAULT)]),
+         [mx(pg.DOWN_DEFAULT)], M),
         # new small-group tiles (128 + 32-row tail) vs the old default (64-row tiles)
         ("gate_up_E112", 112, True, [pg.GATE_UP_SMALL_GROUPS, T(64, 256, 64, 8, 3)],
-         [mx(pg.GATE_UP_SMALL_GROUPS)]),
-        ("down_E112", 112, False, [pg.DOWN_SMALL_GROUPS, pg.DOWN_DEFAULT], [mx(pg.DOWN_SMALL_GROUPS)]),
+         [mx(pg.GATE_UP_SMALL_GROUPS)], M),
+        ("down_E112", 112, False, [pg.DOWN_SMALL_GROUPS, pg.DOWN_DEFAULT], [mx(pg.DOWN_SMALL_GROUPS)], M),
     ]
-    for label, num_experts, fused, bf16_cfgs, mxfp4_cfgs in cases:
+    for label, num_experts, fused, bf16_cfgs, mxfp4_cfgs, m in cases:
         if time.time() - t0 > budget_s * 0.6:
             res[label] = {"skipped": "time budget"}
             save()
             continue
         k_dim, n_w = (H, F) if fused else (F, H)
         rec: dict = {"label": label, "experts": num_experts, "K": k_dim, "N": n_w * (2 if fused else 1),
-                     "GFLOP": 2 * M * k_dim * n_w * (2 if fused else 1) / 1e9}
+                     "rows": m, "GFLOP": 2 * m * k_dim * n_w * (2 if fused else 1) / 1e9,
+                     "weight_GB_bf16": num_experts * k_dim * n_w * (2 if fused else 1) * 2 / 1e9}
         try:
-            forward_case(rec, num_experts, fused, k_dim, n_w, bf16_cfgs, mxfp4_cfgs)
+            forward_case(rec, num_experts, fused, k_dim, n_w, bf16_cfgs, mxfp4_cfgs, m)
         except Exception as e:  # setup or reference failed: record it, run the next case
             rec["error"] = repr(e)[:800]
         res[label] = rec
@@ -355,7 +365,7 @@ def part_report() -> None:
     jr, tr = load("moe_mxfp4_jax.json"), load("moe_mxfp4_torch.json")
     print(f"device: {jr.get('env')} / {tr.get('env')}")
     print("edge cases:", jr.get("edge_rel_err"))
-    for label in ("gate_up_E28", "down_E28", "gate_up_E112", "down_E112", "mlp_fwd_bwd_E28"):
+    for label in ("gate_up_E28_decode", "down_E28_decode", "gate_up_E28", "down_E28", "gate_up_E112", "down_E112", "mlp_fwd_bwd_E28"):
         j, t = jr.get(label, {}), tr.get(label, {})
         print(f"\n{label}  (torch: {json.dumps(t)})")
         for name, v in j.items():
