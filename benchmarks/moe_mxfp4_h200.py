@@ -220,11 +220,13 @@ def part_jax(budget_s: float) -> None:
     mx = functools.partial(pg.for_weights, mxfp4=True)
     # decode-sized batches first (DECODE_ROWS rows over 28 experts, ~9 per expert): weight-bandwidth bound, where
     # reading 4.25 bits per weight instead of 16 should pay for the in-kernel decode
+    # (candidates: 32-row tiles at 4 warps, one warpgroup, so each decodes its own 64 weight rows)
+    small = [T(32, 64, 64, 4, 4, weights_lhs=True), T(32, 128, 64, 4, 4, weights_lhs=True)]
     cases = [
-        ("gate_up_E28_decode", 28, True, [pg.gate_up_config(DECODE_ROWS, 28)],
-         [pg.gate_up_config(DECODE_ROWS, 28, mxfp4=True)], DECODE_ROWS),
-        ("down_E28_decode", 28, False, [pg.down_config(DECODE_ROWS, 28)],
-         [pg.down_config(DECODE_ROWS, 28, mxfp4=True)], DECODE_ROWS),
+        ("gate_up_E28_decode", 28, True, [pg.gate_up_config(DECODE_ROWS, 28), *small],
+         [pg.gate_up_config(DECODE_ROWS, 28, mxfp4=True), *small], DECODE_ROWS),
+        ("down_E28_decode", 28, False, [pg.down_config(DECODE_ROWS, 28), *small],
+         [pg.down_config(DECODE_ROWS, 28, mxfp4=True), *small], DECODE_ROWS),
         ("gate_up_E28", 28, True, [pg.GATE_UP_DEFAULT],
          [mx(pg.GATE_UP_DEFAULT), pg.GATE_UP_DEFAULT], M),
         ("down_E28", 28, False, [pg.DOWN_DEFAULT],

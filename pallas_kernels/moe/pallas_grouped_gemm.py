@@ -73,6 +73,7 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.moe.mxfp4_tile import BLOCK, decode_tile
 from pallas_kernels.moe.reference import MXFP4Experts
+from pallas_kernels.triton_dot import dot_accumulate
 
 F32 = jnp.float32
 Weight = jax.Array | MXFP4Experts  # [E, N, K] dense, or packed codes [E, N, K/2] + scales [E, N, K/32]
@@ -213,12 +214,11 @@ def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused
     grp = meta_ref[pid, 2]
     n0 = pl.multiple_of(meta_ref[pid, 3] * bn, bn)
     active = row_start < row_end
-    dims = (((1,), (1,)), ((), ()))  # a [., bk] . b [., bk]^T
 
-    def mma(xt, wt):
+    def mma(acc, xt, wt):  # acc + x w^T, accumulated inside the MMA (triton_dot.py)
         if cfg.weights_lhs:
-            return jax.lax.dot_general(wt, xt, dims, preferred_element_type=F32)  # [bn, rows]
-        return jax.lax.dot_general(xt, wt, dims, preferred_element_type=F32)  # [rows, bn]
+            return dot_accumulate(acc, wt, xt, trans_b=True)  # [bn, rows]
+        return dot_accumulate(acc, xt, wt, trans_b=True)  # [rows, bn]
 
     def tile(height: int, compute: bool):
         """Load `height` rows from an in-bounds start; store only rows [row_start, row_end)."""
@@ -233,9 +233,9 @@ def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused
         def body(k, accs):
             k0 = pl.multiple_of(k * bk, bk)
             xt = x_ref[pl.ds(load_start, height), pl.ds(k0, bk)]
-            new = [accs[0] + mma(xt, _weight_tile(w1_refs, grp, n0, k0, bn, bk, xt.dtype, fragment))]
+            new = [mma(accs[0], xt, _weight_tile(w1_refs, grp, n0, k0, bn, bk, xt.dtype, fragment))]
             if fused:
-                new.append(accs[1] + mma(xt, _weight_tile(w3_refs, grp, n0, k0, bn, bk, xt.dtype, fragment)))
+                new.append(mma(accs[1], xt, _weight_tile(w3_refs, grp, n0, k0, bn, bk, xt.dtype, fragment)))
             return tuple(new)
 
         zeros = jnp.zeros((bn, height) if cfg.weights_lhs else (height, bn), F32)
@@ -359,8 +359,7 @@ def _tn_kernel(bounds_ref, a_ref, b_ref, o_ref, *, num_rows, bm, bp, bq):
         at = a_ref[pl.ds(load_start, bm), pl.ds(p0, bp)]
         bt = b_ref[pl.ds(load_start, bm), pl.ds(q0, bq)]
         at = jnp.where(keep, at, jnp.zeros_like(at))
-        dims = (((0,), (0,)), ((), ()))  # a [bm, bp]^T . b [bm, bq]
-        return acc + jax.lax.dot_general(at, bt, dims, preferred_element_type=F32)
+        return dot_accumulate(acc, at, bt, trans_a=True)  # acc + a[bm, bp]^T b[bm, bq]
 
     num_t = (end - start + bm - 1) // bm
     acc = jax.lax.fori_loop(0, num_t, body, jnp.zeros((bp, bq), F32))  # empty group: zeros
