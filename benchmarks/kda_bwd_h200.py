@@ -241,20 +241,18 @@ def run_jax():
             lambda *a: pallas_chunk_kda(*a[:5], scale=scale, initial_state=a[5])), args[:6]))
         attempt(r, "ours_bwd_ms", lambda: bench(
             jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale)), args))
-        for side, nw, gw, gbk in variants:
-            tag = f"ours_bwd_{side}_w{nw}_gw{gw}_gbk{gbk}"
-            attempt(r, f"{tag}_ms", lambda side=side, nw=nw, gw=gw, gbk=gbk: bench(
+        for nw, gw, gbk in variants:
+            tag = f"ours_bwd_w{nw}_gw{gw}_gbk{gbk}"
+            attempt(r, f"{tag}_ms", lambda nw=nw, gw=gw, gbk=gbk: bench(
                 jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale, num_warps=nw,
-                                                           grads_warps=gw, grads_block_k=gbk,
-                                                           key_side=side)),
+                                                           grads_warps=gw, grads_block_k=gbk)),
                 args), budget=240)
             save(res, out)
         save(res, out)
 
     if not stages_only:  # the default first, then the candidates
-        # (key_side, num_warps, grads_warps, grads_block_k)
-        variants = (("channels", 8, 4, 32), ("channels", 8, 8, 32), ("channels", 8, 8, 64),
-                    ("blocks", 8, 8, 32))
+        # (num_warps, grads_warps, grads_block_k)
+        variants = ((8, 4, 32), (8, 2, 32), (8, 4, 16), (8, 4, 64))
         essentials(*SHAPES[0], variants)
         essentials(*SHAPES[1], variants)
     for shape in SHAPES:
@@ -280,20 +278,17 @@ def run_jax():
                 (qg, W, aqk, kd, gl, do, dht)))
             save(res, out)
 
-        for side, gbk, nw, ns in grads_cfgs:
-            tag = f"stage_grads_{side}_bk{gbk}_w{nw}_s{ns}_ms"
-            attempt(r, tag, lambda side=side, gbk=gbk, nw=nw, ns=ns: bench(
-                lambda *a: pb.stage_grads(*a, scale=scale, block_k=gbk, key_side=side,
-                                          **tun(nw, ns)),
+        for gbk, nw, ns in grads_cfgs:
+            tag = f"stage_grads_bk{gbk}_w{nw}_s{ns}_ms"
+            attempt(r, tag, lambda gbk=gbk, nw=nw, ns=ns: bench(
+                lambda *a: pb.stage_grads(*a, scale=scale, block_k=gbk, **tun(nw, ns)),
                 (q, k, v, g, beta, A, hs, dhs, do, dvn, vn)))
             save(res, out)
 
-    # (shape, grads (key_side, block_k, warps, stages), parts (warps, stages),
-    #  states (block_v, warps))
+    # (shape, grads (block_k, warps, stages), parts (warps, stages), states (block_v, warps))
     sweeps = [
-        (SHAPES[0], (("blocks", 32, 4, 1), ("channels", 32, 4, 1), ("channels", 32, 8, 1),
-                     ("channels", 64, 8, 1), ("channels", 16, 4, 1)), ((8, 1),), ((128, 8),)),
-        (SHAPES[1], (("blocks", 32, 4, 1), ("channels", 32, 4, 1)), ((8, 1),), ((32, 8),)),
+        (SHAPES[0], ((32, 4, 1), (32, 2, 1), (16, 4, 1), (64, 4, 1)), ((8, 1),), ((128, 8),)),
+        (SHAPES[1], ((32, 4, 1), (16, 4, 1)), ((8, 1),), ((32, 8),)),
     ]
     for shape, *cfgs in [] if essentials_only else sweeps:
         try:

@@ -179,16 +179,15 @@ def _kda_fwd(intra: str, block_v: int, warps: int | None) -> tuple[Callable, tup
     return fn, args
 
 
-def _kda_bwd(key_side: str) -> tuple[Callable, tuple]:
-    """The backward's own kernels (bf16, pre-activated gate) at the num_warps it picks, with the
-    gradient pass's key side split by "blocks" or "channels"."""
+def _kda_bwd() -> tuple[Callable, tuple]:
+    """The backward's own kernels (bf16, pre-activated gate) at the num_warps it picks."""
     tokens = (KDA_B, KDA_T, KDA_H, KDA_D)
     state = sds((KDA_B, KDA_H, KDA_D, KDA_D), jnp.float32)
     args = (sds(tokens, jnp.bfloat16),) * 4 + (sds((KDA_B, KDA_T, KDA_H), jnp.bfloat16), state,
                                                sds(tokens, jnp.bfloat16), state)
 
     def fn(*a: jax.Array) -> tuple[jax.Array, ...]:
-        return pallas_chunk_kda_bwd(*a, scale=KDA_D**-0.5, interpret=False, key_side=key_side)
+        return pallas_chunk_kda_bwd(*a, scale=KDA_D**-0.5, interpret=False)
 
     return fn, args
 
@@ -210,8 +209,7 @@ def _moe_down() -> tuple[Callable, tuple]:
 CASES: dict[str, Callable[[int | None], tuple[Callable, tuple]]] = {
     "kda_fwd_v1": lambda warps: _kda_fwd("v1", 128, warps),
     "kda_fwd_split": lambda warps: _kda_fwd("split", 64, warps),
-    "kda_bwd": lambda _warps: _kda_bwd("blocks"),
-    "kda_bwd_channels": lambda _warps: _kda_bwd("channels"),
+    "kda_bwd": lambda _warps: _kda_bwd(),
     "moe_gate_up": lambda _warps: _moe_gate_up(),
     "moe_down": lambda _warps: _moe_down(),
 }

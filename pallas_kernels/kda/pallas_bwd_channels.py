@@ -1,16 +1,19 @@
-"""Key side of the KDA backward's gradient pass by key-channel blocks (``key_side="channels"``).
+"""Key side of the KDA backward's gradient pass by key-channel blocks.
 
 One program per (chunk, block of ``bk`` key channels), grid ``(B, H, N, K / bk)``. Everything the
 key side needs is per channel once the chunk's 16x16 blocks of ``dL`` and ``dAqk`` exist (the
 chunk kernel forms them: ``dL = -yu v_new^T``, which contracts over V): the V-contracting sums of
 the block's channels (``dQg = dO h^T``, ``dKd = v_new dh^T``, ``A^T dW = -yu h^T``,
 ``dgl = sum_V h dh``, from the block's rows of the chunk's state and state gradient) and then
-``pallas_bwd_blocked.key_side`` on the block's channels. Only dbeta sums over channels: each
-program writes its block's partial sums and the wrapper adds them.
+``pallas_bwd_row_blocks.key_grads_row_blocks`` on the block's channels. Only dbeta sums over
+channels: each program writes its block's partial sums and the wrapper adds them.
 
-Compared with the "blocks" key side (one program per chunk over all 128 channels, 255 registers
-and kilobytes of spills per thread offline), each program holds ``[16, bk]`` tiles instead of
-``[16, 128]`` ones and there are ``K / bk`` times as many programs. Not yet timed on a GPU.
+Each program holds ``[16, bk]`` tiles instead of ``[16, 128]`` ones, with ``K / bk`` times as
+many programs as chunks (offline at 32 channels, 4 warps: 255 registers, no spills). The former
+per-chunk key side ("blocks": the channel sums through HBM, then one program per chunk over all
+128 channels, 255 registers and 2,064 / 2,524 B of spills per thread offline) was measured
+slower on an H200 and removed: whole backward 45.47 vs 48.17 ms (its best setting) at
+B4 T8192 H96, 10.36 vs 10.70 ms at B1 T32768 H16 (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import BC, C, NC, dot
-from pallas_kernels.kda.pallas_bwd_blocked import key_side
+from pallas_kernels.kda.pallas_bwd_row_blocks import key_grads_row_blocks
 
 _F32 = jnp.float32
 
@@ -46,5 +49,5 @@ def channel_grads_kernel(q_ref, k_ref, g_ref, b_ref, hs_ref, dhs_ref, do_ref, vn
     def store_dbeta(i, dbeta):
         dbeta_ref[b, kb, rs(i), h] = dbeta
 
-    key_side(b, h, c, ks, q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, dg_ref, store_dbeta, sums,
-             scale=scale, mm_dtype=mm_dtype)
+    key_grads_row_blocks(b, h, c, ks, q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, dg_ref,
+                         store_dbeta, sums, scale=scale, mm_dtype=mm_dtype)

@@ -2,7 +2,7 @@
 
 The same three passes as ``chunk_backward.py``, as ``pl.pallas_call``s (this file: the wrappers and
 the entry point; kernel bodies in ``pallas_bwd_states.py``, ``pallas_bwd_value.py``,
-``pallas_bwd_blocked.py``, ``pallas_bwd_channels.py``):
+``pallas_bwd_channels.py``, ``pallas_bwd_row_blocks.py``):
 
 1. ``stage_parts``, grid ``(B, H, N)``, parallel: recompute the chunk's A = (I + L)^{-1}, W, U,
    Aqk, Qg, Kd and decay gl from q, k, v, g, beta with the forward's own intra kernels.
@@ -10,13 +10,14 @@ the entry point; kernel bodies in ``pallas_bwd_states.py``, ``pallas_bwd_value.p
    again (storing every chunk's input state ``h`` and ``v_new``), then the reverse one for ``dh``
    and ``dv_new``, with the state on chip; the reverse one's last value is the initial state's
    gradient.
-3. ``stage_grads``, parallel over chunks: dq, dk, dv, dg, dbeta of every chunk: the
-   V-contracting sums (through HBM; key-channel blocks in the grid), then the key side in 16-row
-   blocks with ~5x fewer multiply-adds than whole-chunk products (``key_side="blocks"``, the
-   default); ``key_side="channels"`` runs sums and key side together per key-channel block
-   (not yet timed on a GPU). Variants measured slower on the
-   H200 and removed (benchmarks/RESULTS.md): whole-chunk key sides ("fused"/"split", 2.2x), one
-   kernel for both sides ("fused_blocked", 16x), one program per chunk for all the V sums.
+3. ``stage_grads``, parallel over chunks: dq, dk, dv, dg, dbeta of every chunk: a chunk kernel
+   for dv and the chunk's [C, C] sums dAqk and dL, then one program per (chunk, key-channel
+   block) for that block's V-contracting sums and its key side, in 16-row blocks with ~5x fewer
+   multiply-adds than whole-chunk products. Variants measured slower on the H200 and removed
+   (benchmarks/RESULTS.md): whole-chunk key sides ("fused"/"split", 2.2x), one kernel for both
+   sides ("fused_blocked", 16x), one program per chunk for all the V sums, and the per-chunk
+   "blocks" key side (key-channel sums through HBM, then one program per chunk over all
+   channels: whole backward 48.17 vs 45.47 ms at B4 T8192 H96, 10.70 vs 10.36 at B1 T32768 H16).
 
 Packed sequences (``cu_seqlens``) run on the forward's chunk-aligned layout
 (``varlen_layout.py``); the two recurrences then loop over one sequence's chunk range per program,
@@ -37,10 +38,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C
-from pallas_kernels.kda.pallas_bwd_blocked import key_kernel_blocked
 from pallas_kernels.kda.pallas_bwd_channels import channel_grads_kernel
 from pallas_kernels.kda.pallas_bwd_states import dstates_kernel, states_kernel
-from pallas_kernels.kda.pallas_bwd_value import chunk_sums_kernel, key_sums_kernel
+from pallas_kernels.kda.pallas_bwd_value import chunk_sums_kernel
 from pallas_kernels.kda.pallas_kda import compiler_params, intra_split, matmul_dtypes
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
@@ -102,73 +102,49 @@ def stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets=None, *, block_v, i
     )(*((chunk_offsets,) if varlen else ()), qg, W, aqk, kd, gl, do, dht)
 
 
-KEY_SIDES = ("blocks", "channels")
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "block_k", "key_side") + _TUNING)
-def stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, *, scale, block_k, key_side,
-                interpret, num_warps, num_stages):
-    """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes. A chunk kernel forms dv and the
-    chunk's [C, C] sums dAqk and dL (``pallas_bwd_value``); then ``key_side``:
-
-    - "blocks": the key-channel sums dQg, dW, dKd, dgl to HBM (fp32; key-channel blocks of
-      ``block_k`` in the grid), then ``pallas_bwd_blocked``'s key side, one program per chunk
-      over all channels. One program per chunk for all the V sums, looping over V blocks, was
-      slower on the H200 (43.6 vs 39.1 ms for this pass at B4 T8192 H96; benchmarks/RESULTS.md).
-    - "channels": ``pallas_bwd_channels``, one program per (chunk, ``block_k`` channels) for the
-      channel sums and the key side together (not yet timed on a GPU).
+@functools.partial(jax.jit, static_argnames=("scale", "block_k") + _TUNING)
+def stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, *, scale, block_k, interpret,
+                num_warps, num_stages):
+    """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes. A chunk kernel, grid
+    ``(B, H, N)``, forms dv, the chunk's [C, C] sums dAqk and dL, and ``yu = A^T dv_new``
+    (``pallas_bwd_value``); then ``pallas_bwd_channels``, grid ``(B, H, N, K / block_k)``, forms
+    each block of ``block_k`` key channels' V-contracting sums and its key side, and the partial
+    dbeta sums of the channel blocks are added here. The per-chunk "blocks" key side (the
+    channel sums through HBM, then one program per chunk over all channels) was measured slower
+    on the H200 and removed (benchmarks/RESULTS.md).
     """
     B, Tp, H, K = q.shape
     n = Tp // C
     mm_dtype, sd = matmul_dtypes(v)
     sds = jax.ShapeDtypeStruct
     params = compiler_params(interpret, num_warps, num_stages)
-    ck, cc = sds((B, Tp, H, K), _F32), sds((B, Tp, H, C), _F32)
-    key_out = (sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype))
-    channels = key_side == "channels"
-    dv, daqk, dl, dbeta_v, *yu = pl.pallas_call(
+    cc = sds((B, Tp, H, C), _F32)
+    dv, daqk, dl, dbeta_v, yu = pl.pallas_call(
         functools.partial(chunk_sums_kernel, mm_dtype=mm_dtype),
         grid=(B, H, n),
-        out_shape=(sds(v.shape, v.dtype), cc, cc, sds(beta.shape, _F32))
-        + ((sds((B, Tp, H, v.shape[-1]), sd),) if channels else ()),
+        out_shape=(sds(v.shape, v.dtype), cc, cc, sds(beta.shape, _F32), sds(v.shape, sd)),
         interpret=interpret, name="kda_bwd_grads_v_chunk", **params,
     )(A, beta, v, do, dvn, vn)
-    if channels:
-        dq, dk, dg, dbeta_k = pl.pallas_call(
-            functools.partial(channel_grads_kernel, scale=scale, mm_dtype=mm_dtype, bk=block_k),
-            grid=(B, H, n, K // block_k),
-            out_shape=key_out + (sds((B, K // block_k, Tp, H), _F32),),
-            interpret=interpret, name="kda_bwd_grads_channels", **params,
-        )(q, k, g, beta, hs, dhs, do, vn, yu[0], dl, daqk)
-        return dq, dk, dv, dg, (dbeta_v + jnp.sum(dbeta_k, axis=1)).astype(beta.dtype)
-    dw = sds((B, Tp, H, K), sd)  # only ever a matmul operand of mm_dtype: stored like one
-    dqg, dW, dkd, dgl = pl.pallas_call(
-        functools.partial(key_sums_kernel, mm_dtype=mm_dtype, bk=block_k),
+    dq, dk, dg, dbeta_k = pl.pallas_call(
+        functools.partial(channel_grads_kernel, scale=scale, mm_dtype=mm_dtype, bk=block_k),
         grid=(B, H, n, K // block_k),
-        out_shape=(ck, dw, ck, sds((B, n, H, K), _F32)),
-        interpret=interpret, name="kda_bwd_grads_v_keys", **params,
-    )(hs, dhs, do, dvn, vn)
-    dq, dk, dg, db = pl.pallas_call(
-        functools.partial(key_kernel_blocked, scale=scale, mm_dtype=mm_dtype),
-        grid=(B, H, n),
-        out_shape=key_out + (sds(beta.shape, beta.dtype),),
-        interpret=interpret, name="kda_bwd_grads_k_blocked", **params,
-    )(q, k, g, beta, A, dqg, dW, dkd, daqk, dl, dgl, dbeta_v)
-    return dq, dk, dv, dg, db
+        out_shape=(sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype),
+                   sds((B, K // block_k, Tp, H), _F32)),
+        interpret=interpret, name="kda_bwd_grads_channels", **params,
+    )(q, k, g, beta, hs, dhs, do, vn, yu, dl, daqk)
+    return dq, dk, dv, dg, (dbeta_v + jnp.sum(dbeta_k, axis=1)).astype(beta.dtype)
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("scale", "block_v", "grads_block_k", "grads_warps",
-                                    "key_side") + _TUNING)
+                   static_argnames=("scale", "block_v", "grads_block_k", "grads_warps") + _TUNING)
 def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_block_k,
-         grads_warps, key_side, **tuning):
+         grads_warps, **tuning):
     A, W, U, aqk, qg, kd, gl = stage_parts(q, k, v, g, beta, scale=scale, **tuning)
     hs, vn = stage_states(W, U, kd, gl, h0, chunk_offsets, block_v=block_v, **tuning)
     dhs, dvn, ds0 = stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets, block_v=block_v,
                                   **tuning)
     out = stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, scale=scale,
-                      block_k=grads_block_k, key_side=key_side,
-                      **{**tuning, "num_warps": grads_warps})
+                      block_k=grads_block_k, **{**tuning, "num_warps": grads_warps})
     return (*out, ds0)
 
 
@@ -202,7 +178,6 @@ def pallas_chunk_kda_bwd(
     num_warps: int = 8,
     num_stages: int = 1,
     grads_warps: int = 4,
-    key_side: str = "blocks",
 ) -> tuple[jax.Array, ...]:
     """Gradients of ``pallas_chunk_kda``'s ``(o, final_state)`` (safe gate, fla conventions).
 
@@ -211,12 +186,12 @@ def pallas_chunk_kda_bwd(
     [N, H, K, V]). Returns ``(dq, dk, dv, dg, dbeta, d initial_state)`` in the inputs' dtypes
     (the state gradient fp32). ``interpret`` defaults to True off GPU. ``block_v``: V columns per
     program of the two state recurrences (default ``default_block_v``); ``grads_block_k``: key
-    channels per program of the gradient pass's value sums (see ``stage_grads``; the whole K
-    where it does not divide K). ``num_warps`` (the recompute and the state passes) and
+    channels per program of the gradient pass's key side (see ``stage_grads``; the whole K where
+    it does not divide K). ``num_warps`` (the recompute and the state passes) and
     ``grads_warps`` (the gradient pass): the fastest measured on an H200 at B4 T8192 H96 and
-    B1 T32768 H16 (benchmarks/RESULTS.md): the recompute 9.9 ms at 8 warps vs 12.4 at 4, the
-    gradient pass 39.1 ms at 4 vs 41.8 at 8. ``key_side``: how the gradient pass splits its
-    key-side work ("blocks" | "channels", see ``stage_grads``).
+    B1 T32768 H16 (benchmarks/RESULTS.md): the recompute 9.9 ms at 8 warps vs 12.4 at 4; the
+    whole backward 45.47 / 10.36 ms (the two shapes) at grads_warps 4 and grads_block_k 32,
+    against 73.75 / 14.85 at 8 warps and 32 channels and 48.85 / 10.89 at 8 warps and 64.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -239,8 +214,6 @@ def pallas_chunk_kda_bwd(
     block_v = min(block_v, V)
     if V % block_v:
         raise ValueError(f"block_v: V={V} is not a multiple of block_v={block_v}")
-    if key_side not in KEY_SIDES:
-        raise ValueError(f"key_side: expected one of {KEY_SIDES}, got {key_side!r}")
     if grads_block_k < 1:
         raise ValueError(f"grads_block_k: expected a positive channel count, got {grads_block_k}")
     grads_block_k = grads_block_k if K % grads_block_k == 0 else K
@@ -263,7 +236,7 @@ def pallas_chunk_kda_bwd(
         q, k, v, g, beta, initial_state.astype(_F32), do.astype(v.dtype), dht.astype(_F32),
         offsets, scale=float(scale), interpret=bool(interpret), num_warps=num_warps,
         num_stages=num_stages, grads_warps=grads_warps, block_v=block_v,
-        grads_block_k=grads_block_k, key_side=key_side,
+        grads_block_k=grads_block_k,
     )
     out = (dq, dk, dv, dg, db)
     if cu_seqlens is not None:

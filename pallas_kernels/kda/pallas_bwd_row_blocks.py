@@ -4,8 +4,10 @@ Same result as ``chunk_math.key_grads`` (dq, dk, dg, dbeta of one chunk from the
 pairwise terms through ``L`` and ``Aqk`` are taken block by block: for every sub-chunk pair
 ``J <= I`` the ``[16, 16]`` blocks ``dL[I, J]`` and ``dAqk[I, J]`` (loaded from HBM, where the
 chunk kernel of ``pallas_bwd_value.py`` left them), each with the decay factors of row block I's
-midpoint. That is ~1.7M multiply-adds per chunk instead of the ~8.4M of the whole-chunk masked
-products, since Pallas-Triton can only take sub-blocks of memory refs, not of register values.
+midpoint. That is ~1.7M multiply-adds per chunk at 128 channels instead of the ~8.4M of the
+whole-chunk masked products, since Pallas-Triton can only take sub-blocks of memory refs, not of
+register values. Every term is per key channel except dbeta's channel sums, so
+``pallas_bwd_channels.py`` runs this on one block of key channels per program.
 
 Row blocks go from last to first: block I's row-side terms are complete after its own pairs, and
 its column-side terms (from pairs ``I' >= I``) too, so each block is finished and stored at once;
@@ -23,9 +25,9 @@ from pallas_kernels.kda.chunk_math import BC, C, CLAMP, MID, NC, dot, pair_dtype
 _F32 = jnp.float32
 
 
-def key_side(b, h, c, ks, q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, dg_ref, store_dbeta, sums,
-             *, scale, mm_dtype) -> None:
-    """Store dq, dk, dg of chunk c in key channels ``ks`` (a slice or ``pl.ds``), and hand each
+def key_grads_row_blocks(b, h, c, ks, q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, dg_ref,
+                         store_dbeta, sums, *, scale, mm_dtype) -> None:
+    """Store dq, dk, dg of chunk c in key channels ``ks`` (a ``pl.ds``), and hand each
     row block's dbeta terms summed over those channels to ``store_dbeta(i, [16])``. ``sums``
     gives the V sums by row block: ``dqg(i)``, ``dkd(i)``, ``yw(i)`` = (A^T dW)_i [16, |ks|],
     ``dl(i, j)`` and ``daqk(i, j)`` [16, 16] for ``j <= i`` (masking of the diagonal
@@ -86,29 +88,3 @@ def key_side(b, h, c, ks, q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, dg_ref, st
         dq_ref[b, rs(i), h, ks] = (dqs * scale).astype(dq_ref.dtype)
         dk_ref[b, rs(i), h, ks] = dk.astype(dk_ref.dtype)
         dg_ref[b, rs(i), h, ks] = dg.astype(dg_ref.dtype)
-
-
-def key_kernel_blocked(q_ref, k_ref, g_ref, b_ref, a_ref, dqg_ref, dw_ref, dkd_ref, daqk_ref,
-                       dl_ref, dgl_ref, dbv_ref, dq_ref, dk_ref, dg_ref, db_ref, *, scale,
-                       mm_dtype):
-    """dq, dk, dg, dbeta of one chunk from the V sums that ``pallas_bwd_value`` left in HBM."""
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t0 = c * C
-    rs = lambda i: pl.ds(t0 + i * BC, BC)  # noqa: E731
-    blk = lambda ref, i, j: ref[b, rs(i), h, pl.ds(j * BC, BC)]  # noqa: E731
-    dW = dw_ref[b, pl.ds(t0, C), h, :]
-    sums = dict(
-        dqg=lambda i: dqg_ref[b, rs(i), h, :],
-        dkd=lambda i: dkd_ref[b, rs(i), h, :],
-        yw=lambda i: dot(a_ref[b, pl.ds(t0, C), h, pl.ds(i * BC, BC)], dW, mm_dtype,
-                         trans_a=True),
-        dl=lambda i, j: blk(dl_ref, i, j),
-        daqk=lambda i, j: blk(daqk_ref, i, j),
-        dgl=dgl_ref[b, c, h, :][None, :],
-    )
-
-    def store_dbeta(i, dbeta):
-        db_ref[b, rs(i), h] = (dbv_ref[b, rs(i), h] + dbeta).astype(db_ref.dtype)
-
-    key_side(b, h, c, slice(None), q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, dg_ref,
-             store_dbeta, sums, scale=scale, mm_dtype=mm_dtype)
