@@ -8,6 +8,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moe.batch_size import is_decode_sized
 from pallas_kernels.moe.reference import MXFP4Experts, decode_experts, experts_all_dense, experts_ragged_dot
 from pallas_kernels.precision import exact_if_fp32
 
@@ -36,16 +37,21 @@ def routed_experts(
     pallas_grouped_gemm.py): compiled through Pallas-Triton on GPU, interpret mode elsewhere (tests only).
 
     Weights may be `MXFP4Experts` (uint8 E2M1 codes + E8M0 scales, kept packed in HBM at 4.25 bits per
-    weight). Every implementation decodes the whole layer's experts to x's dtype right before its GEMMs
-    (`decode_experts`; a transient copy of one layer's experts), so the packed and the decoded model give
-    identical results. The Pallas kernels can also read them packed and decode per tile in registers
-    (`experts_pallas` with MXFP4Experts), exact as well, but on the H200 that ran at 224 / 238 TFLOP/s
-    (gate+up / down, 28 experts x 16384 rows) against 342 / 339 for this decode-then-bf16-kernel path
-    (benchmarks/moe_mxfp4_h200.py, 2026-11-29), so "pallas" decodes first until the tile decode is cheaper.
+    weight). The Pallas kernels on a GPU read them packed and decode each tile in registers when the batch
+    is decode-sized (at most 32 routed rows per expert on average, `is_decode_sized`): there the weight
+    bytes set the time, and on the H200 (256 rows, 28 experts, 2026-11-29) the packed gate+up / down took
+    0.46 / 0.22 ms where decoding the layer in XLA alone takes about 0.78 / 0.41 ms before the bf16 kernels'
+    0.36 / 0.20. Otherwise every implementation decodes the whole layer's experts to x's dtype right
+    before its GEMMs (`decode_experts`; a transient copy of one layer's experts): at 16384 rows the tile
+    decode ran 224 / 238 TFLOP/s against 342 / 339 for decoding first (benchmarks/moe_mxfp4_h200.py).
+    Both are exact, so the packed and the decoded model give identical results.
     """
-    w1, w2, w3 = (decode_experts(w, x.dtype) for w in (w1, w2, w3))
     if implementation == "auto":
         implementation = auto_implementation(x.dtype)
+    packed_in_kernel = (implementation == "pallas" and jax.default_backend() != "tpu"
+                        and is_decode_sized(ids.size, w1.shape[0]))
+    if not packed_in_kernel:
+        w1, w2, w3 = (decode_experts(w, x.dtype) for w in (w1, w2, w3))
     if implementation == "xla":
         return experts_ragged_dot(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
     if implementation == "dense":

@@ -102,7 +102,7 @@ def grouped_expert_mlp(
     w2 = _pad_to(_pad_to(w2, 2), 1)
     gate_up_cfg = gate_up_cfg or gate_up_config(rows.shape[0], num_experts, isinstance(w1, MXFP4Experts))
     down_cfg = down_cfg or down_config(rows.shape[0], num_experts, isinstance(w2, MXFP4Experts))
-    bwd_cfg = bwd_cfg or down_config(rows.shape[0], num_experts)
+    bwd_cfg = bwd_cfg or down_config(rows.shape[0], num_experts, backward=True)
     outs = expert_mlp(rows, w1, w2, w3, group_sizes, float(beta),
                       None if linear_beta is None else float(linear_beta), bool(interpret), gate_up_cfg,
                       down_cfg, bwd_cfg)

@@ -140,6 +140,8 @@ CASES = {
     "k_not_tile_multiple": dict(n_tok=37, k=3, d_in=96, f=64, d_out=40),
     # every token on experts 5, 1, 6: three groups hold all rows, the first, last and others are empty
     "all_same": dict(n_tok=9, k=3, d_in=64, f=64, d_out=32, ids=np.tile([5, 1, 6], (9, 1))),
+    # 300 rows over 8 experts: past decode size, so the layer is decoded before the bf16 kernels
+    "many_rows_per_expert": dict(n_tok=300, k=1, d_in=64, f=64, d_out=32),
 }
 
 
@@ -151,6 +153,27 @@ def test_routed_experts_packed_pallas_matches_decoded_xla(name: str) -> None:
     out, ref = run("pallas"), run("xla")
     assert out.shape == ref.shape and out.dtype == F32
     assert rel(out, ref) <= 1e-5  # fp32 x and exact decodes on both sides: summation order only
+
+
+@pytest.mark.parametrize(("name", "packed_in_kernel"), [("k_not_tile_multiple", True), ("many_rows_per_expert", False)])
+def test_pallas_keeps_weights_packed_only_for_decode_sized_batches(name: str, packed_in_kernel: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """111 routed rows over 8 experts (decode-sized) reach the kernels packed; 300 rows are decoded first."""
+    from pallas_kernels.moe import api
+
+    decoded = []
+    monkeypatch.setattr(api, "decode_experts", lambda w, dtype: decoded.append(w) or w.decode(dtype))
+    x, w1, w2, w3, weights, ids = expert_case(**CASES[name])
+    api.routed_experts(x, w1, w2, w3, weights, ids, beta=4.0, linear_beta=25.0, implementation="pallas")
+    assert len(decoded) == (0 if packed_in_kernel else 3)
+
+
+def test_default_tiles_for_decode_sized_batches() -> None:
+    """Up to 32 rows per expert: one 32-row tile, 64 weight rows and one warpgroup per program, forward only."""
+    for cfg in (pg.gate_up_config(256, 28), pg.gate_up_config(896, 28, mxfp4=True), pg.down_config(256, 28)):
+        assert cfg == pg.DECODE_TILES
+    assert pg.gate_up_config(897, 28) != pg.DECODE_TILES
+    assert pg.down_config(256, 28, backward=True) == pg.DOWN_SMALL_GROUPS
 
 
 def test_packed_grads_flow_to_x_only() -> None:
