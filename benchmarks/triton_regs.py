@@ -13,6 +13,13 @@ The numbers come from triton 3.6's pipeline and its bundled ptxas (CUDA 12.8); X
 same IR with the Triton fork bundled in jaxlib and the ptxas of its CUDA install, so they can
 differ a little from what runs on the GPU. Use them to compare kernel variants.
 
+One known difference is folded here before compiling (``fold_accumulating_dots``): Pallas lowers
+``acc + dot(a, b)`` to a dot with a splatted zero accumulator plus an ``arith.addf``, which
+triton 3.6's combine pass leaves apart (the zeros are not a dense constant), so every GEMM k step
+would wait for its wgmma and add into a second accumulator (the MoE gate+up kernel: 255 registers
+instead of 176). On the H200 writing that dot with the accumulator inside (a custom lowering rule)
+changed no timing (gate+up 545 vs 544 TFLOP/s, 2026-11-29), so XLA's pipeline evidently folds it.
+
 No GPU or CUDA toolkit is needed; install triton next to jax (only for this tool, it is not a
 project dependency):
 
@@ -129,12 +136,39 @@ def _ptxas_number(log: str, pattern: str) -> int:
     return int(match.group(1))
 
 
+_DOT = re.compile(r"(\s*)(%\w+) = tt\.dot (%\w+), (%\w+), %\w+(.*)")
+_ADDF = re.compile(r"(\s*)(%\w+) = arith\.addf (%[\w#]+), (%[\w#]+)\b")
+
+
+def fold_accumulating_dots(ttir: str) -> str:
+    """``d = addf(acc, dot(a, b, zeros))`` -> ``d = dot(a, b, acc)`` where the dot has no other use.
+
+    The dot moves to the add's place, where a, b and acc are all defined. Text-level: the printed
+    Triton IR has one op per line."""
+    lines = ttir.splitlines()
+    dots = {m.group(2): i for i, line in enumerate(lines) if (m := _DOT.match(line))}
+    uses = {name: len(re.findall(re.escape(name) + r"\b", ttir)) - 1 for name in dots}
+    for i, line in enumerate(list(lines)):
+        add = _ADDF.match(line)
+        if add is None:
+            continue
+        x, y = add.group(3), add.group(4)
+        dot, acc = (y, x) if uses.get(y) == 1 else (x, y) if uses.get(x) == 1 else (None, None)
+        if dot is None:
+            continue
+        j = dots[dot]
+        d = _DOT.match(lines[j])
+        lines[i] = f"{add.group(1)}{add.group(2)} = tt.dot {d.group(3)}, {d.group(4)}, {acc}{d.group(5)}"
+        lines[j] = ""
+    return "\n".join(lines)
+
+
 def usage(kernel: TritonKernel) -> Usage:
     """Compile for sm_90 with triton, then rerun ptxas -v on the PTX: triton discards its log."""
     arch = sm_arch_from_capability(H200_CAPABILITY)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, f"{kernel.name}.ttir")  # the suffix tells triton where the pipeline starts
-        src.write_text(kernel.ttir)
+        src.write_text(fold_accumulating_dots(kernel.ttir))
         compiled = triton.compile(
             str(src), target=TARGET,
             options=dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages),
