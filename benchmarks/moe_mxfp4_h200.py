@@ -9,8 +9,9 @@ Results land in $OUT (or .) as moe_mxfp4_jax.json / moe_mxfp4_torch.json. Every 
 timed; a case that fails (compile error, wrong numbers) is recorded and the others still run.
 
 Cases (K3 per-GPU slices, M = 16384 rows sorted by expert, group sizes uniform):
-  * decode-sized batches (DECODE_ROWS = 256 rows over 28 experts): bf16 kernel vs MXFP4 decoded in the
-    kernel vs XLA decode + bf16 kernel, where weight bytes, not MMAs, set the time;
+  * decode-sized batches (DECODE_ROWS = 256 rows over 28 experts), where weight bytes, not MMAs, set the
+    time: the whole routed path (`routed_experts`, which keeps MXFP4 weights packed into the kernels at
+    this size) vs decoding the layer in XLA first vs bf16 weights; and each GEMM's tile candidates;
   * gate+up 3584 -> 2x3072 (SiTU fused) and down 3072 -> 3584 at E=28: the bf16 kernel on bf16 weights, the
     same kernels reading MXFP4 weights and decoding tiles in registers (default: weights as the MMA's left
     operand; also the plain orientation, and x in fragment order), and XLA decode of the whole layer
@@ -64,6 +65,7 @@ def part_jax(budget_s: float) -> None:
     from pallas_kernels.moe.mxfp4_order import fragment_order
     from pallas_kernels.moe.pallas_experts import experts_pallas
     from pallas_kernels.moe.pallas_vjp import expert_mlp
+    from pallas_kernels.moe.api import routed_experts
     from pallas_kernels.moe.reference import _RAGGED_DIMS, MXFP4Experts, experts_ragged_dot, situ
 
     t0 = time.time()
@@ -213,6 +215,30 @@ def part_jax(budget_s: float) -> None:
             xla_decode = jax.jit(lambda x_, a, g: pg.grouped_matmul(
                 x_, a.decode(jnp.bfloat16), g, cfg=bf16_cfgs[0], interpret=INTERPRET))
         run_case(rec, "xla_decode_then_bf16_kernel", xla_decode, packed_args, bf16_check)
+
+    # -- 1b. the routed path at decode size: packed weights into the kernels vs decoding the layer first ----
+    label = "routed_decode_E28"
+    rec = {"label": label, "rows": DECODE_ROWS, "GFLOP": 2 * DECODE_ROWS * 3 * H * F / 1e9}
+    try:
+        kx, k1, k2, k3, ki = jax.random.split(jax.random.key(11), 5)
+        x = jax.random.normal(kx, (DECODE_ROWS, H), jnp.bfloat16)
+        packed = [random_mxfp4(k, 28, n, kk) for k, n, kk in ((k1, F, H), (k2, H, F), (k3, F, H))]
+        ids = jax.random.randint(ki, (DECODE_ROWS, 1), 0, 28)
+        wts = jnp.ones((DECODE_ROWS, 1), jnp.float32)
+        kw = dict(beta=BETA, linear_beta=LINEAR_BETA)
+        routed = jax.jit(functools.partial(routed_experts, implementation="pallas", **kw))
+        decode_first = jax.jit(lambda x_, a, b, c, w_, i_: experts_pallas(
+            x_, *(q.decode(jnp.bfloat16) for q in (a, b, c)), w_, i_, interpret=INTERPRET, **kw))
+        dense = [q.decode(jnp.bfloat16) for q in packed]
+        want = decode_first(x, *packed, wts, ids)
+        same = lambda out: (lambda e: (e, e <= 5e-3))(rel(out, want))  # noqa: E731 (only bf16 roundings differ)
+        run_case(rec, "mxfp4_packed_into_kernels", routed, (x, *packed, wts, ids), same)
+        run_case(rec, "mxfp4_decode_layer_then_kernels", decode_first, (x, *packed, wts, ids), same)
+        run_case(rec, "bf16_weights", routed, (x, *dense, wts, ids), same)
+    except Exception as e:
+        rec["error"] = repr(e)[:800]
+    res[label] = rec
+    save()
 
     # -- 2. forward GEMMs ------------------------------------------------------------------------------
     # First entry of each list: the default config for those weights (the reference for the others). MXFP4:
@@ -367,7 +393,8 @@ def part_report() -> None:
     jr, tr = load("moe_mxfp4_jax.json"), load("moe_mxfp4_torch.json")
     print(f"device: {jr.get('env')} / {tr.get('env')}")
     print("edge cases:", jr.get("edge_rel_err"))
-    for label in ("gate_up_E28_decode", "down_E28_decode", "gate_up_E28", "down_E28", "gate_up_E112", "down_E112", "mlp_fwd_bwd_E28"):
+    for label in ("routed_decode_E28", "gate_up_E28_decode", "down_E28_decode", "gate_up_E28", "down_E28",
+                  "gate_up_E112", "down_E112", "mlp_fwd_bwd_E28"):
         j, t = jr.get(label, {}), tr.get(label, {})
         print(f"\n{label}  (torch: {json.dumps(t)})")
         for name, v in j.items():
