@@ -25,7 +25,7 @@ import numpy as np
 OUT = os.environ.get("OUT", ".")
 NS = (1, 64, 256)
 H, K, V = 96, 128, 128
-CONFIGS = [(32, 4), (16, 4), (64, 4), (128, 8)]  # (block_v, num_warps)
+CONFIGS = [(64, 4), (64, 8), (64, 2), (32, 2), (128, 4)]  # (block_v, num_warps); the default first
 LOOP = 50
 
 
