@@ -50,14 +50,8 @@ all-to-all path's receive buffer has the same worst-case size (MaxText's `ragged
 bounded buffer factor (drop on overflow) is not implemented. Communication per strategy at K3 shapes and
 the measured CPU overheads: benchmarks/RESULTS.md, "Expert-parallel dispatch".
 
-Calling it from LatentMoE (`k3jax/nn/moe.py`; the integration is someone else's): in `__call__`, with a
-mesh known to the module (e.g. passed at construction or `jax.sharding.get_abstract_mesh()` inside jit),
-replace the `routed_experts(...)` call by
-
-    w1, w2, w3 = (decode_experts(w, latent_in.dtype) for w in (self.experts.w1[...], self.experts.w2[...],
-                                                               self.experts.w3[...]))
-    mixed = ep_routed_experts(latent_in, w1, w2, w3, weights, ids, mesh=mesh, beta=self.beta,
-                              linear_beta=self.linear_beta).astype(x.dtype)
+LatentMoE (`k3jax/nn/moe.py`) calls it in place of `routed_experts` when it holds an expert mesh
+(`expert_mesh`), with MXFP4 experts decoded first (`decode_experts`). What the call relies on:
 
   latent_in [B*T, latent] and weights/ids [B*T, k] come from the flattened batch, whose rows GSPMD has
   on ("data", "fsdp") (activation_batch); the function reshards them to its token layout itself.
@@ -65,7 +59,7 @@ replace the `routed_experts(...)` call by
   `embed_moe` must stay replicated (it is, by the rules) — a weight sharded some other way is resharded
   to the layout above by the shard_map's in_specs, i.e. all-gathered, which is correct but slow.
   The result is fp32 [B*T, latent] sharded like the tokens; the rest of LatentMoE (norm, up-proj,
-  shared experts) stays GSPMD. Under a mesh with expert size 1 just keep `routed_experts`.
+  shared experts) stays GSPMD. Under a mesh with expert size 1, `routed_experts` is the right call.
 """
 
 from __future__ import annotations
