@@ -4,7 +4,8 @@
 
 Shapes and sharding (global arrays in, global array out; call it inside the caller's `jax.jit`):
   x [N, in] (any float dtype), weights [N, k] fp32, ids [N, k] int32 (global expert ids);
-  w1, w3 [E, F, in], w2 [E, out, F] dense (decode `MXFP4Experts` first with `decode_experts`);
+  w1, w3 [E, F, in], w2 [E, out, F] dense or `MXFP4Experts` (kept packed into the local Pallas
+  kernels for decode-sized batches, as `routed_experts` does; decoded here, shard by shard, otherwise);
   E must be divisible by the size of `expert_axis`; each device holds E/ep experts
   (w1/w3 `P(expert, tensor, None)`, w2 `P(expert, None, tensor)` — exactly DEFAULT_RULES' layout of
   `RoutedExperts`: exp->expert, mlp_moe->tensor, embed_moe replicated). F is split over `tensor_axis`
@@ -75,8 +76,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.moe.api import auto_implementation
-from pallas_kernels.moe.reference import combine_by_token, situ
+from pallas_kernels.moe.api import Weights, auto_implementation
+from pallas_kernels.moe.batch_size import is_decode_sized
+from pallas_kernels.moe.reference import MXFP4Experts, combine_by_token, decode_experts, situ
 from pallas_kernels.precision import exact_if_fp32
 
 F32 = jnp.float32
@@ -308,8 +310,16 @@ def resolve_strategy(
     return "all_to_all" if a2a < ring else "allgather"
 
 
+def _keep_packed(w2: Weights, implementation: str, pairs: int, num_experts: int, f_shards: int | None) -> bool:
+    """MXFP4 experts go packed into the local Pallas kernels when the batch is decode-sized (there reading
+    4.25 bits per weight pays; see `routed_experts`) and each `tensor` shard of w2's F holds whole
+    32-input scale blocks."""
+    return (isinstance(w2, MXFP4Experts) and implementation == "pallas" and is_decode_sized(pairs, num_experts)
+            and (not f_shards or w2.scale.shape[-1] % f_shards == 0))
+
+
 def ep_routed_experts(
-    x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, weights: jax.Array, ids: jax.Array,
+    x: jax.Array, w1: Weights, w2: Weights, w3: Weights, weights: jax.Array, ids: jax.Array,
     *, mesh: Mesh, beta: float, linear_beta: float | None, strategy: Strategy = "auto",
     expert_axis: str = "expert", token_axes: Sequence[str] = ("data", "fsdp"), tensor_axis: str | None = "tensor",
     exchange: Exchange = "auto", decode_max_tokens: int = 64, implementation: Implementation = "auto",
@@ -350,6 +360,8 @@ def ep_routed_experts(
         implementation = auto_implementation(x.dtype)
     if implementation not in ("xla", "pallas"):
         raise ValueError(f"implementation={implementation!r}: expected 'auto', 'xla' or 'pallas'")
+    if not _keep_packed(w2, implementation, n * k, num_experts, f_axis and mesh.shape[f_axis]):
+        w1, w2, w3 = (decode_experts(w, x.dtype) for w in (w1, w2, w3))
 
     def mlp(rows, group_sizes, a, b, c):
         return _grouped_mlp(rows, group_sizes, a, b, c, beta=beta, linear_beta=linear_beta, f_axis=f_axis,

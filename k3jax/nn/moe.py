@@ -24,7 +24,7 @@ from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm, declare, normal_init
 from k3jax.nn.situ import SiTUMLP
 from jax.sharding import Mesh
 
-from pallas_kernels.moe import MXFP4Experts, decode_experts, routed_experts
+from pallas_kernels.moe import MXFP4Experts, routed_experts
 
 
 def route_topk(
@@ -149,7 +149,6 @@ class LatentMoE(nnx.Module):
         else:
             from sharding.expert_parallel import ep_routed_experts  # noqa: PLC0415 (sharding imports this module)
 
-            w1, w2, w3 = (decode_experts(w, latent_in.dtype) for w in (w1, w2, w3))
             mixed = ep_routed_experts(latent_in, w1, w2, w3, weights, ids, mesh=self.expert_mesh, beta=self.beta,
                                       linear_beta=self.linear_beta, implementation=self.implementation)
         mixed = mixed.astype(x.dtype)

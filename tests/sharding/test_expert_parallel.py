@@ -188,6 +188,30 @@ def test_pallas_local_experts(mesh_spec):
     check_gradients(mesh, args, ct, [dict(strategy=strategy, implementation="pallas") for strategy in STRATEGIES])
 
 
+@needs8
+@pytest.mark.parametrize(("strategy", "implementation"), [(s, "pallas") for s in STRATEGIES] + [("decode", "xla")])
+def test_mxfp4_experts(strategy, implementation, monkeypatch):
+    """MXFP4 experts of a decode-sized batch (37 tokens x top-4 over 16 experts) stay packed into each
+    device's Pallas kernels, with F split over `tensor` (each shard holds one 32-input scale block of
+    w2); the XLA local experts get them decoded. Either way the same values as the reference on the
+    decoded weights (the tile decode is exact)."""
+    from k3jax.checkpoint.mxfp4 import encode_mxfp4
+    from pallas_kernels.moe.reference import MXFP4Experts
+    from sharding import expert_parallel
+
+    decoded = []
+    monkeypatch.setattr(expert_parallel, "decode_experts", lambda w, dtype: decoded.append(w) or w.decode(dtype))
+    r = np.random.default_rng(5)
+    f = 64  # F a multiple of 32 x tensor, so w2's scale blocks split over the two tensor shards
+    packed = [MXFP4Experts(*map(jnp.asarray, encode_mxfp4(r.normal(size=shape) * std)))
+              for shape, std in (((E, f, D), 1.5 / D**0.5), ((E, D, f), 1 / f**0.5), ((E, f, D), 1 / D**0.5))]
+    x, _, _, _, weights, ids = problem(37, "random", seed=6)
+    mesh = make_mesh("data=2,expert=2,tensor=2")
+    got = run(mesh, strategy, implementation=implementation)(x, *packed, weights, ids)
+    close(got, reference(x, *(w.decode(jnp.float32) for w in packed), weights, ids))
+    assert len(decoded) == (0 if implementation == "pallas" else 3)
+
+
 def test_unknown_implementation_is_named():
     mesh = make_mesh(f"expert={jax.device_count()}")
     with pytest.raises(ValueError, match="implementation='triton'"):
