@@ -52,7 +52,7 @@ bounded buffer factor (drop on overflow) is not implemented. Communication per s
 the measured CPU overheads: benchmarks/RESULTS.md, "Expert-parallel dispatch".
 
 LatentMoE (`k3jax/nn/moe.py`) calls it in place of `routed_experts` when it holds an expert mesh
-(`expert_mesh`), with MXFP4 experts decoded first (`decode_experts`). What the call relies on:
+(`expert_mesh`), with its expert weights as stored (dense or MXFP4). What the call relies on:
 
   latent_in [B*T, latent] and weights/ids [B*T, k] come from the flattened batch, whose rows GSPMD has
   on ("data", "fsdp") (activation_batch); the function reshards them to its token layout itself.
@@ -76,8 +76,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.moe.api import Weights, auto_implementation
-from pallas_kernels.moe.batch_size import is_decode_sized
+from pallas_kernels.moe.api import Weights, auto_implementation, mxfp4_in_kernels
 from pallas_kernels.moe.reference import MXFP4Experts, combine_by_token, decode_experts, situ
 from pallas_kernels.precision import exact_if_fp32
 
@@ -311,10 +310,9 @@ def resolve_strategy(
 
 
 def _keep_packed(w2: Weights, implementation: str, pairs: int, num_experts: int, f_shards: int | None) -> bool:
-    """MXFP4 experts go packed into the local Pallas kernels when the batch is decode-sized (there reading
-    4.25 bits per weight pays; see `routed_experts`) and each `tensor` shard of w2's F holds whole
-    32-input scale blocks."""
-    return (isinstance(w2, MXFP4Experts) and implementation == "pallas" and is_decode_sized(pairs, num_experts)
+    """MXFP4 experts go packed into the local Pallas kernels where `routed_experts` would keep them packed
+    (`mxfp4_in_kernels`) and each `tensor` shard of w2's F holds whole 32-input scale blocks."""
+    return (isinstance(w2, MXFP4Experts) and mxfp4_in_kernels(implementation, pairs, num_experts)
             and (not f_shards or w2.scale.shape[-1] % f_shards == 0))
 
 

@@ -24,6 +24,12 @@ def auto_implementation(dtype: jnp.dtype) -> str:
     return "pallas" if jax.default_backend() == "gpu" and dtype == jnp.bfloat16 else "xla"
 
 
+def mxfp4_in_kernels(implementation: str, pairs: int, num_experts: int) -> bool:
+    """Whether MXFP4 experts go packed into the kernels instead of being decoded first: the Pallas
+    grouped GEMMs (not on TPU) on a decode-sized batch of `pairs` routed rows (see `routed_experts`)."""
+    return implementation == "pallas" and jax.default_backend() != "tpu" and is_decode_sized(pairs, num_experts)
+
+
 def routed_experts(
     x: jax.Array, w1: Weights, w2: Weights, w3: Weights, weights: jax.Array, ids: jax.Array,
     *, beta: float, linear_beta: float | None, implementation: Implementation = "auto",
@@ -48,9 +54,7 @@ def routed_experts(
     """
     if implementation == "auto":
         implementation = auto_implementation(x.dtype)
-    packed_in_kernel = (implementation == "pallas" and jax.default_backend() != "tpu"
-                        and is_decode_sized(ids.size, w1.shape[0]))
-    if not packed_in_kernel:
+    if not mxfp4_in_kernels(implementation, ids.size, w1.shape[0]):
         w1, w2, w3 = (decode_experts(w, x.dtype) for w in (w1, w2, w3))
     if implementation == "xla":
         return experts_ragged_dot(x, w1, w2, w3, weights, ids, beta=beta, linear_beta=linear_beta)
