@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_math import BC, MID, NC
+from pallas_kernels.kda.chunk_math import BC, MID, NC, row
 from pallas_kernels.kda.chunk_math import CLAMP as _CLAMP
 from pallas_kernels.kda.chunk_math import dot as _dot
 
@@ -101,10 +101,9 @@ def row_blocks(i, qs, beta, ks, Gs, mm_dtype):
     midpoint offset ``G_m`` of row sub-chunk i: ``L[i, j] = beta_i (k_i e^{G_i-G_m})
     (k_j e^{G_m-G_j})^T`` and ``Aqk[i, j] = (qs_i e^{G_i-G_m}) (k_j e^{G_m-G_j})^T``, the diagonal
     blocks masked (strictly / non-strictly lower). -> ([L[i, j]], [Aqk[i, j]]) for j = 0..i."""
-    rows = lax.broadcasted_iota(jnp.int32, ks[i].shape, 0)
     ri = lax.broadcasted_iota(jnp.int32, (BC, BC), 0)
     ci = lax.broadcasted_iota(jnp.int32, (BC, BC), 1)
-    G_m = jnp.sum(jnp.where(rows == MID, Gs[i], 0.0), axis=0)[None, :]
+    G_m = row(Gs[i], MID)
     row_fac = jnp.exp(Gs[i] - G_m)
     kl = ks[i] * row_fac
     ql = qs * row_fac

@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import BC, C, CLAMP, MID, NC, dot, pair_dtype, row
+from pallas_kernels.kda.intra_blocks import cumulative_gate
 
 _F32 = jnp.float32
 
@@ -38,13 +39,10 @@ def key_grads_row_blocks(b, h, c, ks, q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref
     ri = lax.broadcasted_iota(jnp.int32, (BC, BC), 0)
     ci = lax.broadcasted_iota(jnp.int32, (BC, BC), 1)
 
-    Gs, carry = [], None
+    Gs, G_last = [], jnp.zeros((ks.size,), _F32)
     for i in range(NC):
-        G = jnp.cumsum(ld(g_ref, i), axis=0)
-        G = G if carry is None else G + carry
-        carry = row(G, BC - 1)
+        G, G_last = cumulative_gate(ld(g_ref, i), G_last, lambda g: g)  # g is the log-decay itself
         Gs.append(G)
-    G_last = carry
     mids = [row(G, MID) for G in Gs]
     dG_last = sums["dgl"] * jnp.exp(G_last)
     for i in range(NC):
