@@ -7,6 +7,7 @@ Run on the GPU machine (see benchmarks/RESULTS.md for the recorded numbers):
     # (give the torch half >= 200 s: on 2026-11-29 it had not finished fla's first big-shape
     #  calls within 100 s)
     PYTHONPATH=. python3 benchmarks/kda_pallas_h200.py jax                 # ours + XLA reference
+    PYTHONPATH=. python3 benchmarks/kda_pallas_h200.py stages              # the intra kernels alone
 
 Both halves use K3's production call: raw q/k (L2 norm in kernel), raw gate with A_log [H] and
 dt_bias [H*K] (``g = -5 * sigmoid(exp(A_log) (g_raw + dt_bias))``), beta logits (sigmoid in
@@ -31,10 +32,15 @@ CHECK = (1, 2048, 8)  # numerics case shared by both halves
 LB = -5.0
 D = 128
 CMP = "/tmp/kda_cmp.npz"
-# (block_v, num_warps, num_stages, intra kernel); warps and stages apply to every kernel of the
-# call. The defaults (`default_tiles`) for many / few sequence-heads, then the runner-up of the
-# 2026-11-29 sweeps (benchmarks/RESULTS.md; 16-warp intra stages were slower everywhere).
-CONFIGS = [(128, 8, 1, "v1"), (64, 8, 1, "split"), (128, 8, 1, "split")]
+# (block_v, num_warps, num_stages, intra stage, inverse kernel's warps); warps and stages apply to
+# every kernel of the call but the "wide" stage's inverse. The defaults (`default_tiles`) for many /
+# few sequence-heads, then the other variants. KDA_CONFIGS="bv,warps,stages,intra,inv;..." replaces
+# the list for one run.
+CONFIGS = [(128, 8, 1, "v1", 2), (64, 8, 1, "split", 2), (128, 8, 1, "wide", 2),
+           (64, 8, 1, "wide", 2)]
+if os.environ.get("KDA_CONFIGS"):
+    CONFIGS = [(int(a), int(b), int(c), d, int(e)) for a, b, c, d, e in
+               (item.split(",") for item in os.environ["KDA_CONFIGS"].split(";"))]
 # KDA_SKIP_XLA=1 skips the slow unfused / XLA-reference columns (already recorded).
 SKIP_XLA = os.environ.get("KDA_SKIP_XLA") == "1"
 
@@ -141,6 +147,14 @@ def run_jax():
         o_1, _ = fused_call(intra="v1")
         o_2, _ = fused_call(intra="split")
         num["split_vs_v1_o"] = rel(o_2.astype(jnp.float32), o_1.astype(jnp.float32))
+        o_3, h_3 = fused_call(intra="wide")
+        num["wide_vs_v1_o"] = rel(o_3.astype(jnp.float32), o_1.astype(jnp.float32))
+        num["wide_vs_ref_o"] = rel(o_3, ref_o)
+        num["wide_vs_ref_ht"] = rel(h_3, ref_h)
+        o32w, h32w = pallas_chunk_kda(qa, ka, bf["v"].astype(jnp.float32), ga, ba,
+                                      initial_state=j["h0"], intra="wide")
+        num["wide_fp32_vs_ref_o"] = rel(o32w, ref_o)
+        num["wide_fp32_vs_ref_ht"] = rel(h32w, ref_h)
         if "fla_o" in x:
             num["fla_vs_ref_o"] = rel(x["fla_o"], ref_o)
             num["fla_vs_ref_ht"] = rel(x["fla_ht"], ref_h)
@@ -165,13 +179,13 @@ def run_jax():
         args = (q, k, v, g, beta, A_log, dt_bias)
         name = f"B{B}_T{T}_H{H}"
         r = {}
-        for bv, nw, ns, intra in CONFIGS:
-            tag = f"ours_fused_bv{bv}_w{nw}_s{ns}_{intra}"
+        for bv, nw, ns, intra, iw in CONFIGS:
+            tag = f"ours_fused_bv{bv}_w{nw}_s{ns}_{intra}" + (f"_inv{iw}" if intra == "wide" else "")
             try:
-                f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, it=intra:
+                f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, it=intra, iw=iw:
                             pallas_chunk_kda_fused_gate(q, k, v, g, b, a, d, lower_bound=LB,
                                                         block_v=bv, num_warps=nw, num_stages=ns,
-                                                        intra=it))
+                                                        intra=it, inverse_warps=iw))
                 ms = bench(f, args)
                 r[f"{tag}_ms"] = round(ms, 4)
             except Exception as e:
@@ -208,5 +222,53 @@ def run_jax():
         del q, k, v, g, beta
 
 
+def run_stages():
+    """Each kernel of the "wide" intra stage timed alone (fused activations, bf16), and the whole
+    call with the v1 and wide stages, so the inter kernel's share is the difference."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.timing import median_ms
+    from pallas_kernels.kda.intra_blocks import compiler_params
+    from pallas_kernels.kda.pallas_intra_wide import chunk_inverses, intra_pairs, intra_wu
+    from pallas_kernels.kda.pallas_kda import pallas_chunk_kda_fused_gate
+
+    res = {"env": {"jax": jax.__version__, "device": str(jax.devices()[0])}}
+    for B, T, H in SHAPES:
+        key = jax.random.split(jax.random.PRNGKey(0), 6)
+        mk = lambda kk, *s: jax.random.normal(kk, s, jnp.bfloat16)  # noqa: E731
+        q, k, v, g = (mk(key[i], B, T, H, D) for i in range(4))
+        beta = mk(key[4], B, T, H)
+        A_log = jax.random.uniform(key[5], (H,), jnp.float32, -1, 1)
+        dt_bias = jnp.zeros((H * D,), jnp.float32)
+        gate_scale = jnp.broadcast_to(jnp.exp(A_log)[:, None], (H, D))
+        ins = (q, k, v, g, beta, gate_scale, dt_bias.reshape(H, D))
+        r = {}
+        for warps in (4, 8):
+            pairs = jax.jit(lambda *a, w=warps: intra_pairs(
+                a, scale=D**-0.5, fused=True, lower_bound=LB, interpret=False,
+                params=compiler_params(False, w, 1)))
+            r[f"pairs_w{warps}_ms"] = round(median_ms(pairs, *ins, reps=5, inner=10), 4)
+        L, bk, qg, kd, aqk, gl = pairs(*ins)
+        for warps in (1, 2, 4):
+            inv = jax.jit(lambda L, w=warps: chunk_inverses(
+                L, jnp.bfloat16, interpret=False, params=compiler_params(False, w, 1)))
+            r[f"inverse_w{warps}_ms"] = round(median_ms(inv, L, reps=5, inner=10), 4)
+        x = inv(L)
+        for warps in (4, 8):
+            wu = jax.jit(lambda x, bk, v, b, w=warps: intra_wu(
+                x, bk, v, b, fused=True, interpret=False, params=compiler_params(False, w, 1)))
+            r[f"wu_w{warps}_ms"] = round(median_ms(wu, x, bk, v, beta, reps=5, inner=10), 4)
+        for intra in ("v1", "wide"):
+            f = jax.jit(lambda *a, it=intra: pallas_chunk_kda_fused_gate(
+                *a, lower_bound=LB, block_v=128, intra=it))
+            r[f"whole_{intra}_bv128_ms"] = round(
+                median_ms(f, q, k, v, g, beta, A_log, dt_bias, reps=5, inner=10), 4)
+        res[f"B{B}_T{T}_H{H}"] = r
+        print(B, T, H, r, flush=True)
+        json.dump(res, open(os.path.join(OUT, "jax_kda_stages.json"), "w"), indent=1)
+        del q, k, v, g, beta, L, bk, qg, kd, aqk, gl, x
+
+
 if __name__ == "__main__":
-    {"torch": run_torch, "jax": run_jax}[sys.argv[1]]()
+    {"torch": run_torch, "jax": run_jax, "stages": run_stages}[sys.argv[1]]()

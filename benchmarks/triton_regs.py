@@ -243,6 +243,7 @@ def _moe_down() -> tuple[Callable, tuple]:
 CASES: dict[str, Callable[[int | None], tuple[Callable, tuple]]] = {
     "kda_fwd_v1": lambda warps: _kda_fwd("v1", 128, warps),
     "kda_fwd_split": lambda warps: _kda_fwd("split", 64, warps),
+    "kda_fwd_wide": lambda warps: _kda_fwd("wide", 128, warps),
     "kda_bwd": lambda _warps: _kda_bwd(),
     "moe_gate_up": lambda _warps: _moe_gate_up(),
     "moe_down": lambda _warps: _moe_down(),

@@ -97,13 +97,21 @@ def _row_block(M: jax.Array, i: int) -> jax.Array:
 
 def pair_scores(x, y, G, mm_dtype) -> jax.Array:
     """P[r, i] = sum_d x_r[d] y_i[d] exp(G_r[d] - G_i[d]) for i <= r (upper triangle: garbage)."""
+    return pair_scores_many((x,), y, G, mm_dtype)[0]
+
+
+def pair_scores_many(xs, y, G, mm_dtype) -> list[jax.Array]:
+    """``[pair_scores(x, y, G) for x in xs]`` making each sub-chunk's column factor once."""
     g_mid, mids = _midpoints(G)
-    xr = x * jnp.exp(G - g_mid)
-    out = None
+    rf = jnp.exp(G - g_mid)
+    xrs = [x * rf for x in xs]
+    outs = [None] * len(xs)
     for i, mid in enumerate(mids):
-        p = _row_block(dot(xr, y * _col_factor(G, mid), mm_dtype, trans_b=True), i)
-        out = p if out is None else out + p
-    return out
+        yc = y * _col_factor(G, mid)
+        for n, xr in enumerate(xrs):
+            p = _row_block(dot(xr, yc, mm_dtype, trans_b=True), i)
+            outs[n] = p if outs[n] is None else outs[n] + p
+    return outs
 
 
 def pair_grads(dL, dAqk, k, bk, qs, G, mm_dtype) -> tuple[jax.Array, jax.Array, jax.Array]:

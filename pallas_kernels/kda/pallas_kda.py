@@ -78,12 +78,13 @@ from pallas_kernels.kda.intra_blocks import (
     activations, compiler_params, cumulative_gate, matmul_dtypes, row_blocks, row_product,
     store_row, unit_lower_inverse,
 )
+from pallas_kernels.kda.pallas_intra_wide import intra_wide, intra_wu
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
 _F32 = jnp.float32
 LOWER_BOUND_MIN = -5.0
-INTRA_VARIANTS = ("v1", "split")
+INTRA_VARIANTS = ("v1", "split", "wide")
 
 
 def _intra_kernel(
@@ -177,18 +178,6 @@ def _intra_solve_kernel(
         store_row(x_ref, b, ts, h, [X[i, j] for j in range(i + 1)])
 
 
-def _intra_wu_kernel(x_ref, bk_ref, v_ref, b_ref, w_ref, u_ref, *, mm_dtype, fused):
-    """Second half of ``intra="split"``: ``W = X bk`` and ``U = X (beta v)`` per whole chunk."""
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    ts = pl.ds(c * C, C)
-    X = x_ref[b, ts, h, :]
-    w_ref[b, ts, h, :] = _dot(X, bk_ref[b, ts, h, :], mm_dtype).astype(w_ref.dtype)
-    beta = b_ref[b, ts, h].astype(_F32)
-    beta = jax.nn.sigmoid(beta) if fused else beta
-    bv = beta[:, None] * v_ref[b, ts, h, :].astype(_F32)
-    u_ref[b, ts, h, :] = _dot(X, bv, mm_dtype).astype(u_ref.dtype)
-
-
 def _inter_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
     """Program (s, h, iv) runs the chunks of sequence s. Batched: row s, chunks 0..n_chunks.
     ``varlen``: one packed chunk-aligned row; the leading int32 ref holds chunk offsets [N + 1], so
@@ -247,17 +236,7 @@ def intra_split(ins, *, scale, fused, lower_bound, interpret, params):
         name="kda_intra_solve",
         **params,
     )(q, k, g, beta, *ins[5:])
-    w, u = pl.pallas_call(
-        functools.partial(_intra_wu_kernel, mm_dtype=mm_dtype, fused=fused),
-        grid=(B, H, n),
-        out_shape=(
-            jax.ShapeDtypeStruct((B, Tp, H, K), sd),
-            jax.ShapeDtypeStruct((B, Tp, H, V), sd),
-        ),
-        interpret=interpret,
-        name="kda_intra_wu",
-        **params,
-    )(x, bk, v, beta)
+    w, u = intra_wu(x, bk, v, beta, fused=fused, interpret=interpret, params=params)
     return x, w, u, qg, kd, aqk, gl
 
 
@@ -265,12 +244,13 @@ def intra_split(ins, *, scale, fused, lower_bound, interpret, params):
     jax.jit,
     static_argnames=(
         "scale", "interpret", "fused", "lower_bound", "block_v", "num_warps", "num_stages",
-        "intra", "intra_warps",
+        "intra", "intra_warps", "inverse_warps",
     ),
 )
 def _pallas_chunk_kda(
     q, k, v, g, beta, initial_state, gate_scale, dt_bias, chunk_offsets=None, *, scale,
     interpret, fused, lower_bound, block_v, num_warps, num_stages, intra, intra_warps,
+    inverse_warps,
 ):
     """``chunk_offsets`` (int32 [N + 1], traced) marks a chunk-aligned packed batch (B == 1)."""
     B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
@@ -286,6 +266,12 @@ def _pallas_chunk_kda(
         _, w, u, qg, kd, aqk, gl = intra_split(ins, scale=scale, fused=fused,
                                                lower_bound=lower_bound, interpret=interpret,
                                                params=intra_params)
+    elif intra == "wide":
+        _, w, u, qg, kd, aqk, gl = intra_wide(
+            ins, scale=scale, fused=fused, lower_bound=lower_bound, interpret=interpret,
+            params=intra_params,
+            inverse_params=compiler_params(interpret, inverse_warps, num_stages),
+        )
     else:
         intra_fn = functools.partial(
             _intra_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused, lower_bound=lower_bound,
@@ -325,6 +311,7 @@ def _pallas_chunk_kda(
     return o, ht
 
 
+INVERSE_WARPS = 2  # the "wide" intra stage's inverse kernel: 16x16 blocks, few warps
 FEW_SEQUENCE_HEADS = 128  # below this many (sequence, head) pairs, favour parallelism
 
 
@@ -363,6 +350,7 @@ def pallas_chunk_kda(
     num_stages: int = 1,
     intra: str | None = None,
     intra_warps: int | None = None,
+    inverse_warps: int = INVERSE_WARPS,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked KDA forward (safe gate, pre-activated inputs; fla conventions).
 
@@ -372,10 +360,11 @@ def pallas_chunk_kda(
     ``cu_seqlens``: host int offsets [N + 1] of packed sequences (B == 1); then initial_state
     and the final state are [N, H, K, V] and no state crosses a sequence boundary.
     ``intra``: "v1" | "split" (same quantities; default by ``default_tiles``);
-    ``intra_warps``: num_warps of the intra-stage kernel(s) (default ``num_warps``).
+    ``intra_warps``: num_warps of the intra-stage kernel(s) (default ``num_warps``);
+    ``inverse_warps``: num_warps of the "wide" stage's 16x16-block inverse kernel.
     """
     return _call(q, k, v, g, beta, None, None, scale, initial_state, interpret, False, 0.0,
-                 block_v, num_warps, num_stages, intra, intra_warps, cu_seqlens)
+                 block_v, num_warps, num_stages, intra, intra_warps, inverse_warps, cu_seqlens)
 
 
 def pallas_chunk_kda_fused_gate(
@@ -397,6 +386,7 @@ def pallas_chunk_kda_fused_gate(
     num_stages: int = 1,
     intra: str | None = None,
     intra_warps: int | None = None,
+    inverse_warps: int = INVERSE_WARPS,
 ) -> tuple[jax.Array, jax.Array]:
     """As ``pallas_chunk_kda`` with K3's input activations fused into the intra kernel.
 
@@ -414,11 +404,12 @@ def pallas_chunk_kda_fused_gate(
     dt = dt_bias.astype(_F32).reshape(H, K)
     return _call(q, k, v, g_raw, beta_logits, gate_scale, dt, scale, initial_state, interpret,
                  True, float(lower_bound), block_v, num_warps, num_stages, intra, intra_warps,
-                 cu_seqlens)
+                 inverse_warps, cu_seqlens)
 
 
 def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret, fused,
-          lower_bound, block_v, num_warps, num_stages, intra, intra_warps, cu_seqlens):
+          lower_bound, block_v, num_warps, num_stages, intra, intra_warps, inverse_warps,
+          cu_seqlens):
     B, T, H, K = q.shape
     V = v.shape[-1]
     if interpret is None:
@@ -446,6 +437,7 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         scale=scale, interpret=bool(interpret), fused=fused, lower_bound=lower_bound,
         block_v=block_v if V % block_v == 0 else V, num_warps=num_warps, num_stages=num_stages,
         intra=intra, intra_warps=num_warps if intra_warps is None else intra_warps,
+        inverse_warps=inverse_warps,
     )
     if cu_seqlens is not None:
         return _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens,

@@ -65,11 +65,11 @@ def test_matches_token_recurrence_at_the_bound() -> None:
     assert rel(s, ref_s) <= 1e-4
 
 
-@pytest.mark.parametrize("intra", ["v1", "split"])
+@pytest.mark.parametrize("intra", ["v1", "split", "wide"])
 def test_fused_gate_matches_activated_reference(intra: str) -> None:
     """In-kernel l2norm / safe-gate sigmoid / beta sigmoid equal the same ops done outside.
 
-    Also the test of the ``split`` intra kernels against the reference: their fused
+    Also the test of the ``split`` and ``wide`` intra kernels against the reference: their fused
     path is a superset of the plain one.
     """
     T = 150
@@ -90,16 +90,17 @@ def test_fused_gate_matches_activated_reference(intra: str) -> None:
     assert rel(s, ref_s) <= 1e-4
 
 
+@pytest.mark.parametrize("intra", ["split", "wide"])
 @pytest.mark.parametrize("T", [1, 65])
-def test_split_intra_agrees_with_v1(T: int) -> None:
-    """``intra="split"`` computes v1's quantities: in fp32 to accumulation-order noise, and in
-    bf16 it casts the very same X and beta k e^G as v1's W/U dots (the bf16 error against fp32
-    is ~4e-3 itself, so 1e-5 is far below it)."""
+def test_intra_variants_agree_with_v1(T: int, intra: str) -> None:
+    """``intra="split"`` and ``"wide"`` compute v1's quantities: in fp32 to accumulation-order
+    noise, and in bf16 they cast the same X and beta k e^G as v1's W/U dots (the bf16 error
+    against fp32 is ~4e-3 itself, so 1e-5 is far below it)."""
     x = make_inputs(T, seed=4)
     for cast in (jnp.float32, jnp.bfloat16):
         args = (x["q"].astype(cast), x["k"].astype(cast), x["v"].astype(cast), x["g"], x["beta"])
         o1, s1 = pallas_chunk_kda(*args, initial_state=x["s0"], interpret=True, intra="v1")
-        o2, s2 = pallas_chunk_kda(*args, initial_state=x["s0"], interpret=True, intra="split")
+        o2, s2 = pallas_chunk_kda(*args, initial_state=x["s0"], interpret=True, intra=intra)
         tol = 1e-6 if cast == jnp.float32 else 1e-5
         assert rel(o2.astype(jnp.float32), o1.astype(jnp.float32)) <= tol
         assert rel(s2, s1) <= tol

@@ -121,7 +121,7 @@ def test_validation() -> None:
         pallas_chunk_kda(*_args(x), initial_state=x["s0"][:1], cu_seqlens=cu, interpret=True)
 
 
-@pytest.mark.parametrize(("intra", "kernels"), [("v1", 2), ("split", 3)])
+@pytest.mark.parametrize(("intra", "kernels"), [("v1", 2), ("split", 3), ("wide", 4)])
 def test_lowers_to_triton_for_h200(intra: str, kernels: int) -> None:
     """Cross-lowering for an abstract H200 on CPU: every kernel, incl. the inter kernel's
     data-dependent chunk range, passes the Pallas -> Triton IR step (no PTX compile)."""

@@ -1,0 +1,151 @@
+"""The KDA forward's intra-chunk stage as three kernels on whole 64-row chunks ("wide").
+
+Why: the one-kernel intra stage (``pallas_kda._intra_kernel``) works in 16-row sub-chunks, so
+its ~80 small products each go through a shared-memory layout change and a barrier, and at 8 warps
+a 16x16 tile is held and computed by several warps at once. Here every product in the pair and
+W/U kernels has 64 rows, and the part that needs 16x16 blocks (the triangular inverse) runs in a
+kernel of its own with few warps:
+
+1. ``_pairs_kernel``, grid ``(B, H, N)``: input activations, the cumulative gate ``G`` of the
+   whole chunk, ``Qg``, ``Kd``, ``bk = beta k e^G``, ``gl = e^{G_last}``, and the pair matrices
+   ``L = beta_r P(k, k)`` (strict, fp32) and ``Aqk = P(q, k)`` (causal) from
+   ``chunk_math.pair_scores_many`` (row factors from each row's sub-chunk midpoint, one column
+   factor per sub-chunk: [64, K] x [K, 64] products).
+2. ``_inverse_kernel``: ``X = (I + L)^{-1}`` by 16x16 blocks (``intra_blocks.unit_lower_inverse``,
+   fp32), from the stored ``L``.
+3. ``_wu_kernel``: ``W = X bk``, ``U = X (beta v)`` (also the second kernel of ``intra="split"``).
+
+Outputs are those of ``pallas_kda.intra_split`` (same layouts and dtypes), so the inter kernel and
+the backward take either. The price against the one-kernel stage is an HBM round trip of ``L``
+(fp32), ``X`` and ``bk``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.chunk_math import BC, C, NC, causal_masks, dot, pair_scores_many, row
+from pallas_kernels.kda.intra_blocks import activations, matmul_dtypes, store_row, unit_lower_inverse
+
+_F32 = jnp.float32
+
+
+def _pairs_kernel(q_ref, k_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, lower_bound):
+    gs_ref, db_ref, rest = (*rest[:2], rest[2:]) if fused else (None, None, rest)
+    l_ref, bk_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ts = pl.ds(c * C, C)
+    sd = qg_ref.dtype
+    gate, l2, beta_of = activations(fused, lower_bound, gs_ref, db_ref, h)
+
+    G = jnp.cumsum(gate(g_ref[b, ts, h, :]), axis=0)
+    # G_last is G's own last row, so the last row of Kd = k e^{G_last - G} is exactly k.
+    G_last = row(G, C - 1)
+    gl_ref[b, pl.ds(c, 1), h, :] = jnp.exp(G_last)
+    eg = jnp.exp(G)
+    k = l2(k_ref[b, ts, h, :])
+    beta = beta_of(b_ref[b, ts, h])[:, None]
+    kd_ref[b, ts, h, :] = (k * jnp.exp(G_last - G)).astype(sd)
+    bk_ref[b, ts, h, :] = (beta * k * eg).astype(sd)
+    qs = l2(q_ref[b, ts, h, :]) * scale
+    qg_ref[b, ts, h, :] = (qs * eg).astype(sd)
+
+    causal, strict = causal_masks()
+    p_kk, p_qk = pair_scores_many((k, qs), k, G, mm_dtype)
+    l_ref[b, ts, h, :] = jnp.where(strict, beta * p_kk, 0.0)
+    a_ref[b, ts, h, :] = jnp.where(causal, p_qk, 0.0).astype(a_ref.dtype)
+
+
+def _inverse_kernel(l_ref, x_ref):
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    t0 = c * C
+    L = {
+        (i, j): l_ref[b, pl.ds(t0 + i * BC, BC), h, pl.ds(j * BC, BC)]
+        for i in range(NC) for j in range(i + 1)
+    }
+    X = unit_lower_inverse(L)
+    for i in range(NC):
+        store_row(x_ref, b, pl.ds(t0 + i * BC, BC), h, [X[i, j] for j in range(i + 1)])
+
+
+def _wu_kernel(x_ref, bk_ref, v_ref, b_ref, w_ref, u_ref, *, mm_dtype, fused):
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ts = pl.ds(c * C, C)
+    X = x_ref[b, ts, h, :]
+    w_ref[b, ts, h, :] = dot(X, bk_ref[b, ts, h, :], mm_dtype).astype(w_ref.dtype)
+    beta = b_ref[b, ts, h].astype(_F32)
+    beta = jax.nn.sigmoid(beta) if fused else beta
+    bv = beta[:, None] * v_ref[b, ts, h, :].astype(_F32)
+    u_ref[b, ts, h, :] = dot(X, bv, mm_dtype).astype(u_ref.dtype)
+
+
+def intra_wu(x, bk, v, beta, *, fused, interpret, params):
+    """``(W, U) = (X bk, X (beta v))`` per whole chunk; ``beta`` holds logits when ``fused``."""
+    B, Tp, H, K = bk.shape
+    mm_dtype, sd = matmul_dtypes(v)
+    return pl.pallas_call(
+        functools.partial(_wu_kernel, mm_dtype=mm_dtype, fused=fused),
+        grid=(B, H, Tp // C),
+        out_shape=(
+            jax.ShapeDtypeStruct((B, Tp, H, K), sd),
+            jax.ShapeDtypeStruct((B, Tp, H, v.shape[-1]), sd),
+        ),
+        interpret=interpret,
+        name="kda_intra_wu",
+        **params,
+    )(x, bk, v, beta)
+
+
+def intra_pairs(ins, *, scale, fused, lower_bound, interpret, params):
+    """``(L fp32, bk, Qg, Kd, Aqk, gl)`` of every chunk (``_pairs_kernel``). ``ins``: q, k, v, g,
+    beta [, gate_scale, dt_bias when ``fused``]."""
+    q, k, v, g, beta = ins[:5]
+    B, Tp, H, K = q.shape
+    n = Tp // C
+    mm_dtype, sd = matmul_dtypes(v)
+    sds = jax.ShapeDtypeStruct
+    return pl.pallas_call(
+        functools.partial(_pairs_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused,
+                          lower_bound=lower_bound),
+        grid=(B, H, n),
+        out_shape=(
+            sds((B, Tp, H, C), _F32),  # L, strictly lower
+            sds((B, Tp, H, K), sd),  # beta k e^G
+            sds((B, Tp, H, K), sd),  # Qg
+            sds((B, Tp, H, K), sd),  # Kd
+            sds((B, Tp, H, C), sd),  # Aqk
+            sds((B, n, H, K), _F32),  # e^{G_last}
+        ),
+        interpret=interpret,
+        name="kda_intra_pairs",
+        **params,
+    )(q, k, g, beta, *ins[5:])
+
+
+def chunk_inverses(L, dtype, *, interpret, params):
+    """``X = (I + L)^{-1}`` of every chunk's strictly lower ``L`` [B, Tp, H, C], stored in
+    ``dtype`` (``_inverse_kernel``)."""
+    B, Tp, H, _ = L.shape
+    return pl.pallas_call(
+        _inverse_kernel,
+        grid=(B, H, Tp // C),
+        out_shape=jax.ShapeDtypeStruct(L.shape, dtype),
+        interpret=interpret,
+        name="kda_intra_inverse",
+        **params,
+    )(L)
+
+
+def intra_wide(ins, *, scale, fused, lower_bound, interpret, params, inverse_params):
+    """``(X, W, U, Qg, Kd, Aqk, gl)`` as ``pallas_kda.intra_split``; ``inverse_params``: launch
+    parameters of the inverse kernel (it wants fewer warps than the others)."""
+    v, beta = ins[2], ins[4]
+    L, bk, qg, kd, aqk, gl = intra_pairs(ins, scale=scale, fused=fused, lower_bound=lower_bound,
+                                         interpret=interpret, params=params)
+    x = chunk_inverses(L, qg.dtype, interpret=interpret, params=inverse_params)
+    w, u = intra_wu(x, bk, v, beta, fused=fused, interpret=interpret, params=params)
+    return x, w, u, qg, kd, aqk, gl
