@@ -316,18 +316,19 @@ FEW_SEQUENCE_HEADS = 128  # below this many (sequence, head) pairs, favour paral
 
 
 def default_tiles(sequence_heads: int) -> tuple[int, str]:
-    """(block_v, intra) measured fastest on an H200 (2026-11-29, benchmarks/RESULTS.md).
+    """(block_v, intra) measured fastest on an H200 (benchmarks/RESULTS.md).
 
     The inter kernel has one program per (sequence, head, V block), each walking all chunks, so
     with few sequence-heads (B1 H16: 16 programs for 132 SMs) halving block_v doubles the
-    parallel programs and the lighter two-kernel intra stage helps: 4.03 vs 5.30 ms at B1 T32768
-    H16. With many (B4 H96) the whole-width "v1" is fastest: 13.8 ms vs 14.4 ("split").
+    parallel programs: 3.32 vs 4.70 ms at B1 T32768 H16 ("wide" intra stage). With many (B4 H96)
+    block_v 128 is faster: 10.14 vs 10.94 ms. The "wide" intra stage beats "v1" and "split" in
+    both (B4 T8192 H96: 10.14 vs 13.50 / 15.10 ms; B1 T32768 H16: 3.32 vs 5.27 / 4.00 ms).
     The threshold lies between those two measured points (16 and 384 sequence-heads) and is not
     itself measured; K3's batch-1 prefill (96 heads) falls below it.
     """
     if sequence_heads < FEW_SEQUENCE_HEADS:
-        return 64, "split"
-    return 128, "v1"
+        return 64, "wide"
+    return 128, "wide"
 
 
 def _default_interpret() -> bool:

@@ -41,7 +41,8 @@ from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.pallas_bwd_channels import channel_grads_kernel
 from pallas_kernels.kda.pallas_bwd_states import dstates_kernel, states_kernel
 from pallas_kernels.kda.pallas_bwd_value import chunk_sums_kernel
-from pallas_kernels.kda.pallas_kda import compiler_params, intra_split, matmul_dtypes
+from pallas_kernels.kda.pallas_intra_wide import intra_wide
+from pallas_kernels.kda.pallas_kda import INVERSE_WARPS, compiler_params, matmul_dtypes
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
@@ -53,13 +54,14 @@ _TUNING = ("interpret", "num_warps", "num_stages")
 def stage_parts(q, k, v, g, beta, *, scale, interpret, num_warps, num_stages):
     """Pass 1: ``(A, W, U, Aqk, Qg, Kd, gl)`` of every chunk.
 
-    The forward's own intra stage (``pallas_kda``'s ``intra="split"`` kernels: 16-row sub-chunks,
-    block inverse), so W, U, Aqk, Qg, Kd are the forward's values bit for bit; A is the
-    ``(I + L)^{-1}`` that its first kernel already writes.
+    The forward's own intra stage (``pallas_kda``'s ``intra="wide"`` kernels), so W, U, Aqk, Qg,
+    Kd are the forward's values bit for bit; A is the ``(I + L)^{-1}`` that its inverse kernel
+    already writes.
     """
-    A, W, U, qg, kd, aqk, gl = intra_split(
+    A, W, U, qg, kd, aqk, gl = intra_wide(
         (q, k, v, g, beta), scale=scale, fused=False, lower_bound=0.0, interpret=interpret,
         params=compiler_params(interpret, num_warps, num_stages),
+        inverse_params=compiler_params(interpret, INVERSE_WARPS, num_stages),
     )
     return A, W, U, aqk, qg, kd, gl
 

@@ -1,10 +1,10 @@
 """The Pallas KDA backward kernels (interpret mode on CPU) against the pure-JAX analytic backward.
 
-The kernels recompute the chunk quantities with the forward's own intra kernels (16-row blocks,
-G_last summed directly) while the pure-JAX backward uses whole-chunk algebra and G_last = the last
-row of the cumsum, exactly like the reference. With in-chunk log decays |G| up to ~160, fp32
-rounding of those two sums moves exp(G_last - G) by ~|G| * 6e-8 ~ 1e-5 relative, so the two agree
-to 2e-5 (measured <= 1e-5; both are within that of autodiff of the reference).
+The kernels recompute the chunk quantities with the forward's own intra kernels (whole-chunk pair
+products from a Triton cumsum, 16x16-block inverse) while the pure-JAX backward uses XLA's cumsum
+and its own inverse. With in-chunk log decays |G| up to ~160, fp32 rounding of the two cumsums moves
+exp(G_last - G) by ~|G| * 6e-8 ~ 1e-5 relative, so the two agree to 2e-5 (both are within that of
+autodiff of the reference).
 block_v = 8 < V = 24 exercises the V split of the state recurrences, grads_block_k = 8 < K the
 key-channel split of the gradient pass (grads_block_k = K: one channel block per chunk).
 """
@@ -18,6 +18,7 @@ import pytest
 from test_chunk_backward import NAMES, H, K, V, make_case, rel
 
 from pallas_kernels.kda.chunk_backward import chunk_kda_bwd
+from pallas_kernels.kda.pallas_kda import INVERSE_WARPS
 from pallas_kernels.kda.pallas_kda_bwd import pallas_chunk_kda_bwd
 from pallas_kernels.kda.reference import chunked_kda
 
@@ -110,4 +111,6 @@ def test_grads_warps_reaches_only_the_gradient_kernels() -> None:
              for line in text.splitlines() if "__gpu$xla.gpu.triton" in line}
     assert {name: w for name, w in warps.items() if "grads" in name} == {
         "kda_bwd_grads_v_chunk": 2, "kda_bwd_grads_channels": 2}
-    assert {w for name, w in warps.items() if "grads" not in name} == {8}  # the default
+    others = {name: w for name, w in warps.items() if "grads" not in name}
+    assert others.pop("kda_intra_inverse") == INVERSE_WARPS  # its own launch parameter
+    assert set(others.values()) == {8}  # the default
