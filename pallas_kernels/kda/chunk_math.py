@@ -205,6 +205,21 @@ def value_terms(A, W, U, v, h, dh, do, dvn, beta, mm_dtype) -> tuple[dict, jax.A
 def key_grads(qs, k, g, beta, A, W, sums: dict, mm_dtype):
     """``(dqs, dk, dg, dbeta)`` of one chunk from the V-summed ``value_terms``.
 
+    W = A (b k e^G), U = A (b v), A = (I + L)^{-1}: dL = -A^T dA A^T = -(A^T dW) W^T - (A^T dU) U^T.
+    """
+    yw = dot(A, sums["dW"], mm_dtype, trans_a=True)  # d(b k e^G)
+    dL = -dot(yw, W, mm_dtype, trans_b=True) - sums["dLU"]
+    dqs, dk, dg, dbeta = key_grads_from_sums(qs, k, g, beta, dL, sums["dAqk"], yw, sums["dQg"],
+                                             sums["dKd"], sums["dgl"], mm_dtype)
+    return dqs, dk, dg, sums["dbeta"] + dbeta
+
+
+def key_grads_from_sums(qs, k, g, beta, dL, dAqk, yw, dQg, dKd, dgl, mm_dtype):
+    """``(dqs, dk, dg, dbeta)`` of one chunk, or of a block of its key channels (every term is
+    per channel except dbeta's sum over them), from the chunk's ``dL``, ``dAqk`` [C, C]
+    (unmasked), ``yw = A^T dW`` (the gradient of ``b k e^G``), ``dQg``, ``dKd`` [C, K] and
+    ``dgl`` [1, K].
+
     ``g`` enters through ``G = cumsum(g)``, so ``dg`` is the reverse cumsum of ``dG`` plus
     ``dG_last`` on every row.
     """
@@ -214,23 +229,19 @@ def key_grads(qs, k, g, beta, A, W, sums: dict, mm_dtype):
     b = beta[:, None]
     eg = jnp.exp(G)
     ed = jnp.exp(G_last - G)
-    dAqk = jnp.where(causal, sums["dAqk"], 0.0)
-    dKd = sums["dKd"]
-
-    # W = A (b k e^G), U = A (b v), A = (I + L)^{-1}: dL = -A^T dA A^T = -(A^T dW) W^T - (A^T dU) U^T
-    yw = dot(A, sums["dW"], mm_dtype, trans_a=True)  # d(b k e^G)
-    dL = jnp.where(strict, -dot(yw, W, mm_dtype, trans_b=True) - sums["dLU"], 0.0)
+    dAqk = jnp.where(causal, dAqk, 0.0)
+    dL = jnp.where(strict, dL, 0.0)
     kg = k * eg
 
     # L = b_r P(k, k): its row side taken with dL (gives dbeta), column side with b_r dL.
     rk, rq, c = pair_grads(dL, dAqk, k, b * k, qs, G, pair_dtype(mm_dtype))
-    dbeta = sums["dbeta"] + jnp.sum(yw * kg, axis=1) + jnp.sum(k * rk, axis=1)
+    dbeta = jnp.sum(yw * kg, axis=1) + jnp.sum(k * rk, axis=1)
 
-    dqs = sums["dQg"] * eg + rq
+    dqs = dQg * eg + rq
     dk = b * rk + c + b * yw * eg + dKd * ed
     kd = k * ed
     dG = qs * dqs + b * k * rk - k * c + b * yw * kg - dKd * kd
-    dG_last = jnp.sum(dKd * kd, axis=0)[None, :] + sums["dgl"] * jnp.exp(G_last)
+    dG_last = jnp.sum(dKd * kd, axis=0)[None, :] + dgl * jnp.exp(G_last)
     dg = jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG + dG_last
     return dqs, dk, dg, dbeta
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_math import BC, C, NC, dot
+from pallas_kernels.kda.chunk_math import BC, C, NC, dot, key_grads_from_sums
 from pallas_kernels.kda.pallas_bwd_row_blocks import key_grads_row_blocks
 
 _F32 = jnp.float32
@@ -51,3 +51,28 @@ def channel_grads_kernel(q_ref, k_ref, g_ref, b_ref, hs_ref, dhs_ref, do_ref, vn
 
     key_grads_row_blocks(b, h, c, ks, q_ref, k_ref, g_ref, b_ref, dq_ref, dk_ref, dg_ref,
                          store_dbeta, sums, scale=scale, mm_dtype=mm_dtype)
+
+
+def channel_grads_wide_kernel(q_ref, k_ref, g_ref, b_ref, hs_ref, dhs_ref, do_ref, vn_ref, yu_ref,
+                              dl_ref, daqk_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, scale,
+                              mm_dtype, bk):
+    """As ``channel_grads_kernel`` on whole 64-row chunks (``chunk_math.key_grads_from_sums``):
+    the pair terms as [64, 64] x [64, bk] products masked by row block, not 16x16 blocks."""
+    b, h, c, kb = (pl.program_id(i) for i in range(4))
+    ts = pl.ds(c * C, C)
+    ks = pl.ds(kb * bk, bk)
+    hk = hs_ref[b, c, h, ks, :]  # [bk, V]: this block's rows of the chunk's input state
+    dhk = dhs_ref[b, c, h, ks, :]
+    dqg = dot(do_ref[b, ts, h, :], hk, mm_dtype, trans_b=True)
+    dkd = dot(vn_ref[b, ts, h, :], dhk, mm_dtype, trans_b=True)
+    yw = -dot(yu_ref[b, ts, h, :], hk, mm_dtype, trans_b=True)
+    dgl = jnp.sum(hk.astype(_F32) * dhk.astype(_F32), axis=1)[None, :]
+    qs = q_ref[b, ts, h, ks].astype(_F32) * scale
+    dqs, dk, dg, dbeta = key_grads_from_sums(
+        qs, k_ref[b, ts, h, ks].astype(_F32), g_ref[b, ts, h, ks].astype(_F32),
+        b_ref[b, ts, h].astype(_F32), dl_ref[b, ts, h, :], daqk_ref[b, ts, h, :], yw, dqg, dkd,
+        dgl, mm_dtype)
+    dq_ref[b, ts, h, ks] = (dqs * scale).astype(dq_ref.dtype)
+    dk_ref[b, ts, h, ks] = dk.astype(dk_ref.dtype)
+    dg_ref[b, ts, h, ks] = dg.astype(dg_ref.dtype)
+    dbeta_ref[b, kb, ts, h] = dbeta

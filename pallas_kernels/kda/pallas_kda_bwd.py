@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C
-from pallas_kernels.kda.pallas_bwd_channels import channel_grads_kernel
+from pallas_kernels.kda.pallas_bwd_channels import channel_grads_kernel, channel_grads_wide_kernel
 from pallas_kernels.kda.pallas_bwd_states import dstates_kernel, states_kernel
 from pallas_kernels.kda.pallas_bwd_value import chunk_sums_kernel
 from pallas_kernels.kda.pallas_intra_wide import intra_wide
@@ -104,9 +104,9 @@ def stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets=None, *, block_v, i
     )(*((chunk_offsets,) if varlen else ()), qg, W, aqk, kd, gl, do, dht)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_k") + _TUNING)
+@functools.partial(jax.jit, static_argnames=("scale", "block_k", "key_side") + _TUNING)
 def stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, *, scale, block_k, interpret,
-                num_warps, num_stages):
+                num_warps, num_stages, key_side="wide"):
     """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes. A chunk kernel, grid
     ``(B, H, N)``, forms dv, the chunk's [C, C] sums dAqk and dL, and ``yu = A^T dv_new``
     (``pallas_bwd_value``); then ``pallas_bwd_channels``, grid ``(B, H, N, K / block_k)``, forms
@@ -128,7 +128,8 @@ def stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, *, scale, block_k, in
         interpret=interpret, name="kda_bwd_grads_v_chunk", **params,
     )(A, beta, v, do, dvn, vn)
     dq, dk, dg, dbeta_k = pl.pallas_call(
-        functools.partial(channel_grads_kernel, scale=scale, mm_dtype=mm_dtype, bk=block_k),
+        functools.partial(channel_grads_wide_kernel if key_side == "wide" else channel_grads_kernel,
+                          scale=scale, mm_dtype=mm_dtype, bk=block_k),
         grid=(B, H, n, K // block_k),
         out_shape=(sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype),
                    sds((B, K // block_k, Tp, H), _F32)),
