@@ -293,8 +293,7 @@ def run_jax():
 
     # (shape, grads (block_k, warps, stages, key side), parts (warps, stages),
     #  states (block_v, warps))
-    grads = ((32, 4, 1, "row_blocks"), (16, 4, 1, "wide"), (16, 8, 1, "wide"), (32, 4, 1, "wide"),
-             (32, 8, 1, "wide"))
+    grads = ((32, 4, 1, "row_blocks"), (16, 4, 1, "wide"), (32, 4, 1, "wide"))
     sweeps = [
         (SHAPES[0], grads, ((8, 1),), ((128, 8),)),
         (SHAPES[1], grads, ((8, 1),), ((32, 8),)),

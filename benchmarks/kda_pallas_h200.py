@@ -250,10 +250,12 @@ def run_stages():
                 params=compiler_params(False, w, 1)))
             r[f"pairs_w{warps}_ms"] = round(median_ms(pairs, *ins, reps=5, inner=10), 4)
         L, bk, qg, kd, aqk, gl = pairs(*ins)
-        for warps in (1, 2, 4):
-            inv = jax.jit(lambda L, w=warps: chunk_inverses(
-                L, jnp.bfloat16, interpret=False, params=compiler_params(False, w, 1)))
-            r[f"inverse_w{warps}_ms"] = round(median_ms(inv, L, reps=5, inner=10), 4)
+        for warps, products in ((2, jnp.float32), (1, None), (2, None), (4, None)):
+            inv = jax.jit(lambda L, w=warps, p=products: chunk_inverses(
+                L, jnp.bfloat16, interpret=False, params=compiler_params(False, w, 1),
+                precision=p))
+            tag = "_ieee" if products == jnp.float32 else ""
+            r[f"inverse_w{warps}{tag}_ms"] = round(median_ms(inv, L, reps=5, inner=10), 4)
         x = inv(L)
         for warps in (4, 8):
             wu = jax.jit(lambda x, bk, v, b, w=warps: intra_wu(

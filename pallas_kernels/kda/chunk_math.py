@@ -114,13 +114,14 @@ def pair_scores_many(xs, y, G, mm_dtype) -> list[jax.Array]:
     return outs
 
 
-def pair_grads(dL, dAqk, k, bk, qs, G, mm_dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Back through ``L = b_r P(k, k)`` and ``Aqk = P(qs, k)`` (lower-triangular dL, dAqk).
+def pair_grads(dL_rows, dAqk_rows, k, bk, qs, G, mm_dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Back through ``L = b_r P(k, k)`` and ``Aqk = P(qs, k)`` (lower-triangular dL, dAqk, given
+    by row block: ``dL_rows(i)`` is dL with the rows outside sub-chunk i zeroed, [C, C]).
 
     Returns ``(rk, rq, c)``: ``rk[r] = sum_i dL[r, i] k_i e^{G_r - G_i}`` (the row side of P(k, k),
     without b_r), ``rq`` the same with dAqk, and the column side of both,
-    ``c[i] = sum_r (dL[r, i] b_r k_r + dAqk[r, i] qs_r) e^{G_r - G_i}``. One column factor per
-    sub-chunk, made when needed, so at most one [C, K] factor is live.
+    ``c[i] = sum_r (dL[r, i] b_r k_r + dAqk[r, i] qs_r) e^{G_r - G_i}``. One column factor and
+    one row block of dL and dAqk at a time, so that a kernel can load each block when needed.
     """
     g_mid, mids = _midpoints(G)
     rf = jnp.exp(G - g_mid)
@@ -129,7 +130,7 @@ def pair_grads(dL, dAqk, k, bk, qs, G, mm_dtype) -> tuple[jax.Array, jax.Array, 
     for i, mid in enumerate(mids):
         cf = _col_factor(G, mid)
         kc = k * cf
-        mL, mA = _row_block(dL, i), _row_block(dAqk, i)
+        mL, mA = dL_rows(i), dAqk_rows(i)
         prk, prq = dot(mL, kc, mm_dtype), dot(mA, kc, mm_dtype)
         pc = cf * (dot(mL, bkr, mm_dtype, trans_a=True) + dot(mA, qsr, mm_dtype, trans_a=True))
         rk, rq, c = (prk, prq, pc) if rk is None else (rk + prk, rq + prq, c + pc)
@@ -209,32 +210,34 @@ def key_grads(qs, k, g, beta, A, W, sums: dict, mm_dtype):
     """
     yw = dot(A, sums["dW"], mm_dtype, trans_a=True)  # d(b k e^G)
     dL = -dot(yw, W, mm_dtype, trans_b=True) - sums["dLU"]
-    dqs, dk, dg, dbeta = key_grads_from_sums(qs, k, g, beta, dL, sums["dAqk"], yw, sums["dQg"],
-                                             sums["dKd"], sums["dgl"], mm_dtype)
+    causal, strict = causal_masks()
+    dL, dAqk = jnp.where(strict, dL, 0.0), jnp.where(causal, sums["dAqk"], 0.0)
+    dqs, dk, dg, dbeta = key_grads_from_sums(
+        qs, k, g, beta, lambda i: _row_block(dL, i), lambda i: _row_block(dAqk, i),
+        lambda: (yw, sums["dQg"], sums["dKd"], sums["dgl"]), mm_dtype)
     return dqs, dk, dg, sums["dbeta"] + dbeta
 
 
-def key_grads_from_sums(qs, k, g, beta, dL, dAqk, yw, dQg, dKd, dgl, mm_dtype):
+def key_grads_from_sums(qs, k, g, beta, dL_rows, dAqk_rows, v_sums, mm_dtype):
     """``(dqs, dk, dg, dbeta)`` of one chunk, or of a block of its key channels (every term is
-    per channel except dbeta's sum over them), from the chunk's ``dL``, ``dAqk`` [C, C]
-    (unmasked), ``yw = A^T dW`` (the gradient of ``b k e^G``), ``dQg``, ``dKd`` [C, K] and
-    ``dgl`` [1, K].
+    per channel except dbeta's sum over them), from the chunk's masked ``dL``, ``dAqk`` by row
+    block (as ``pair_grads`` takes them) and ``v_sums() = (yw, dQg, dKd, dgl)``: ``yw = A^T dW``
+    (the gradient of ``b k e^G``), ``dQg``, ``dKd`` [C, K] and ``dgl`` [1, K]. ``v_sums`` is
+    called after the pair terms, so that a kernel forms those products only then.
 
     ``g`` enters through ``G = cumsum(g)``, so ``dg`` is the reverse cumsum of ``dG`` plus
     ``dG_last`` on every row.
     """
-    causal, strict = causal_masks()
     G = jnp.cumsum(g, axis=0)
     G_last = row(G, C - 1)
     b = beta[:, None]
-    eg = jnp.exp(G)
-    ed = jnp.exp(G_last - G)
-    dAqk = jnp.where(causal, dAqk, 0.0)
-    dL = jnp.where(strict, dL, 0.0)
-    kg = k * eg
 
     # L = b_r P(k, k): its row side taken with dL (gives dbeta), column side with b_r dL.
-    rk, rq, c = pair_grads(dL, dAqk, k, b * k, qs, G, pair_dtype(mm_dtype))
+    rk, rq, c = pair_grads(dL_rows, dAqk_rows, k, b * k, qs, G, pair_dtype(mm_dtype))
+    yw, dQg, dKd, dgl = v_sums()
+    eg = jnp.exp(G)
+    ed = jnp.exp(G_last - G)
+    kg = k * eg
     dbeta = jnp.sum(yw * kg, axis=1) + jnp.sum(k * rk, axis=1)
 
     dqs = dQg * eg + rq

@@ -38,16 +38,20 @@ def matmul_dtypes(v: jax.Array) -> tuple[jnp.dtype, jnp.dtype]:
     return (_F32, _F32) if v.dtype == _F32 else (jnp.bfloat16, v.dtype)
 
 
-def _dot32(a, b):
-    return _dot(a, b, _F32)
-
-
-def unit_lower_inverse(L):
+def unit_lower_inverse(L, precision=_F32):
     """X = (I + L)^{-1} from the 16x16 blocks L[i, j] (j <= i) of a strictly lower L, in fp32.
 
     Diagonal blocks: the exact Neumann product (I - L)(I + L^2)(I + L^4)(I + L^8) (L nilpotent of
     order 16); below them block forward substitution X_ij = -X_ii sum_{j<=m<i} L_im X_mj.
+    ``precision``: the products' mode, IEEE fp32 (``jnp.float32``) or
+    ``lax.DotAlgorithmPreset.BF16_BF16_F32_X3`` (three bf16 tensor-core products per fp32 one,
+    ~1e-5 relative: for an X that is rounded to bf16 afterwards).
     """
+    def _dot32(a, b):
+        if precision == _F32:
+            return _dot(a, b, _F32)
+        return lax.dot(a, b, precision=precision, preferred_element_type=_F32)
+
     eye = jnp.eye(BC, dtype=_F32)
     X = {}
     for i in range(NC):

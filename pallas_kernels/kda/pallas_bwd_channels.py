@@ -19,9 +19,10 @@ B4 T8192 H96, 10.36 vs 10.70 ms at B1 T32768 H16 (benchmarks/RESULTS.md).
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_math import BC, C, NC, dot, key_grads_from_sums
+from pallas_kernels.kda.chunk_math import BC, C, NC, causal_masks, dot, key_grads_from_sums
 from pallas_kernels.kda.pallas_bwd_row_blocks import key_grads_row_blocks
 
 _F32 = jnp.float32
@@ -57,21 +58,32 @@ def channel_grads_wide_kernel(q_ref, k_ref, g_ref, b_ref, hs_ref, dhs_ref, do_re
                               dl_ref, daqk_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, scale,
                               mm_dtype, bk):
     """As ``channel_grads_kernel`` on whole 64-row chunks (``chunk_math.key_grads_from_sums``):
-    the pair terms as [64, 64] x [64, bk] products masked by row block, not 16x16 blocks."""
+    the pair terms as [64, 64] x [64, bk] products masked by row block, not 16x16 blocks. Each
+    row block of dL and dAqk is loaded when its products need it and the V sums are formed after
+    the pair terms, which keeps fewer tiles live at once."""
     b, h, c, kb = (pl.program_id(i) for i in range(4))
     ts = pl.ds(c * C, C)
     ks = pl.ds(kb * bk, bk)
-    hk = hs_ref[b, c, h, ks, :]  # [bk, V]: this block's rows of the chunk's input state
-    dhk = dhs_ref[b, c, h, ks, :]
-    dqg = dot(do_ref[b, ts, h, :], hk, mm_dtype, trans_b=True)
-    dkd = dot(vn_ref[b, ts, h, :], dhk, mm_dtype, trans_b=True)
-    yw = -dot(yu_ref[b, ts, h, :], hk, mm_dtype, trans_b=True)
-    dgl = jnp.sum(hk.astype(_F32) * dhk.astype(_F32), axis=1)[None, :]
-    qs = q_ref[b, ts, h, ks].astype(_F32) * scale
+    causal, strict = causal_masks()
+    block = lax.broadcasted_iota(jnp.int32, (C, C), 0) // BC
+
+    def rows(ref, mask):
+        return lambda i: jnp.where(mask & (block == i), ref[b, ts, h, :], 0.0)
+
+    def v_sums():
+        hk = hs_ref[b, c, h, ks, :]  # [bk, V]: this block's rows of the chunk's input state
+        dhk = dhs_ref[b, c, h, ks, :]
+        return (
+            -dot(yu_ref[b, ts, h, :], hk, mm_dtype, trans_b=True),
+            dot(do_ref[b, ts, h, :], hk, mm_dtype, trans_b=True),
+            dot(vn_ref[b, ts, h, :], dhk, mm_dtype, trans_b=True),
+            jnp.sum(hk.astype(_F32) * dhk.astype(_F32), axis=1)[None, :],
+        )
+
     dqs, dk, dg, dbeta = key_grads_from_sums(
-        qs, k_ref[b, ts, h, ks].astype(_F32), g_ref[b, ts, h, ks].astype(_F32),
-        b_ref[b, ts, h].astype(_F32), dl_ref[b, ts, h, :], daqk_ref[b, ts, h, :], yw, dqg, dkd,
-        dgl, mm_dtype)
+        q_ref[b, ts, h, ks].astype(_F32) * scale, k_ref[b, ts, h, ks].astype(_F32),
+        g_ref[b, ts, h, ks].astype(_F32), b_ref[b, ts, h].astype(_F32),
+        rows(dl_ref, strict), rows(daqk_ref, causal), v_sums, mm_dtype)
     dq_ref[b, ts, h, ks] = (dqs * scale).astype(dq_ref.dtype)
     dk_ref[b, ts, h, ks] = dk.astype(dk_ref.dtype)
     dg_ref[b, ts, h, ks] = dg.astype(dg_ref.dtype)
