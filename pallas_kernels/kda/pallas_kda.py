@@ -311,7 +311,7 @@ def _pallas_chunk_kda(
     return o, ht
 
 
-INVERSE_WARPS = 2  # the "wide" intra stage's inverse kernel: 16x16 blocks, few warps
+INVERSE_WARPS = 1  # the "wide" inverse kernel (16x16 blocks): one warp, fastest of 1, 2, 4
 FEW_SEQUENCE_HEADS = 128  # below this many (sequence, head) pairs, favour parallelism
 
 
