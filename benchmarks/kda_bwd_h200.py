@@ -283,17 +283,15 @@ def run_jax():
                 (qg, W, aqk, kd, gl, do, dht)))
             save(res, out)
 
-        for gbk, nw, ns, side in grads_cfgs:
-            tag = f"stage_grads_{side}_bk{gbk}_w{nw}_s{ns}_ms"
-            attempt(r, tag, lambda gbk=gbk, nw=nw, ns=ns, side=side: bench(
-                lambda *a: pb.stage_grads(*a, scale=scale, block_k=gbk, key_side=side,
-                                          **tun(nw, ns)),
+        for gbk, nw, ns in grads_cfgs:
+            tag = f"stage_grads_bk{gbk}_w{nw}_s{ns}_ms"
+            attempt(r, tag, lambda gbk=gbk, nw=nw, ns=ns: bench(
+                lambda *a: pb.stage_grads(*a, scale=scale, block_k=gbk, **tun(nw, ns)),
                 (q, k, v, g, beta, A, hs, dhs, do, dvn, vn)))
             save(res, out)
 
-    # (shape, grads (block_k, warps, stages, key side), parts (warps, stages),
-    #  states (block_v, warps))
-    grads = ((32, 4, 1, "row_blocks"), (16, 4, 1, "wide"), (32, 4, 1, "wide"))
+    # (shape, grads (block_k, warps, stages), parts (warps, stages), states (block_v, warps))
+    grads = ((32, 4, 1), (16, 4, 1), (32, 8, 1))
     sweeps = [
         (SHAPES[0], grads, ((8, 1),), ((128, 8),)),
         (SHAPES[1], grads, ((8, 1),), ((32, 8),)),

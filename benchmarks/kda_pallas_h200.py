@@ -12,7 +12,7 @@ Run on the GPU machine (see benchmarks/RESULTS.md for the recorded numbers):
 Both halves use K3's production call: raw q/k (L2 norm in kernel), raw gate with A_log [H] and
 dt_bias [H*K] (``g = -5 * sigmoid(exp(A_log) (g_raw + dt_bias))``), beta logits (sigmoid in
 kernel), bf16 q/k/v/g/beta, fp32 state. So every timed path does the same work: fla's fused
-gate/beta/l2norm, our fused intra kernel, and the XLA reference with its activations in the jit.
+gate/beta/l2norm, our fused intra stage, and the XLA reference with its activations in the jit.
 The torch half writes a small case's inputs and fla outputs to /tmp so the jax half can compare
 ours, fla and the fp32 reference on identical data. Results go to $OUT/*.json.
 """
@@ -32,15 +32,13 @@ CHECK = (1, 2048, 8)  # numerics case shared by both halves
 LB = -5.0
 D = 128
 CMP = "/tmp/kda_cmp.npz"
-# (block_v, num_warps, num_stages, intra stage, inverse kernel's warps); warps and stages apply to
-# every kernel of the call but the "wide" stage's inverse. The defaults (`default_tiles`) for many /
-# few sequence-heads, then the other variants. KDA_CONFIGS="bv,warps,stages,intra,inv;..." replaces
-# the list for one run.
-CONFIGS = [(128, 8, 1, "v1", 2), (64, 8, 1, "split", 2), (128, 8, 1, "wide", 2),
-           (64, 8, 1, "wide", 2)]
+# (block_v, num_warps, num_stages, inverse kernel's warps); warps and stages apply to every kernel
+# of the call but the intra stage's inverse. The defaults (`default_block_v`, `INVERSE_WARPS`) for
+# many / few sequence-heads first. KDA_CONFIGS="bv,warps,stages,inv;..." replaces the list for one
+# run.
+CONFIGS = [(128, 8, 1, 1), (64, 8, 1, 1)]
 if os.environ.get("KDA_CONFIGS"):
-    CONFIGS = [(int(a), int(b), int(c), d, int(e)) for a, b, c, d, e in
-               (item.split(",") for item in os.environ["KDA_CONFIGS"].split(";"))]
+    CONFIGS = [tuple(int(x) for x in item.split(",")) for item in os.environ["KDA_CONFIGS"].split(";")]
 # KDA_SKIP_XLA=1 skips the slow unfused / XLA-reference columns (already recorded).
 SKIP_XLA = os.environ.get("KDA_SKIP_XLA") == "1"
 
@@ -141,20 +139,6 @@ def run_jax():
         num["ours_fp32_vs_ref_o"] = rel(o32, ref_o)
         num["ours_fp32_vs_ref_ht"] = rel(h32, ref_h)
         num["ours_fp32_nan"] = bool(jnp.isnan(o32).any())
-        fused_call = lambda **kw: pallas_chunk_kda_fused_gate(  # noqa: E731
-            bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"], j["A_log"], j["dt_bias"], lower_bound=LB,
-            initial_state=j["h0"], block_v=128, **kw)
-        o_1, _ = fused_call(intra="v1")
-        o_2, _ = fused_call(intra="split")
-        num["split_vs_v1_o"] = rel(o_2.astype(jnp.float32), o_1.astype(jnp.float32))
-        o_3, h_3 = fused_call(intra="wide")
-        num["wide_vs_v1_o"] = rel(o_3.astype(jnp.float32), o_1.astype(jnp.float32))
-        num["wide_vs_ref_o"] = rel(o_3, ref_o)
-        num["wide_vs_ref_ht"] = rel(h_3, ref_h)
-        o32w, h32w = pallas_chunk_kda(qa, ka, bf["v"].astype(jnp.float32), ga, ba,
-                                      initial_state=j["h0"], intra="wide")
-        num["wide_fp32_vs_ref_o"] = rel(o32w, ref_o)
-        num["wide_fp32_vs_ref_ht"] = rel(h32w, ref_h)
         if "fla_o" in x:
             num["fla_vs_ref_o"] = rel(x["fla_o"], ref_o)
             num["fla_vs_ref_ht"] = rel(x["fla_ht"], ref_h)
@@ -179,13 +163,13 @@ def run_jax():
         args = (q, k, v, g, beta, A_log, dt_bias)
         name = f"B{B}_T{T}_H{H}"
         r = {}
-        for bv, nw, ns, intra, iw in CONFIGS:
-            tag = f"ours_fused_bv{bv}_w{nw}_s{ns}_{intra}" + (f"_inv{iw}" if intra == "wide" else "")
+        for bv, nw, ns, iw in CONFIGS:
+            tag = f"ours_fused_bv{bv}_w{nw}_s{ns}_inv{iw}"
             try:
-                f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, it=intra, iw=iw:
+                f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, iw=iw:
                             pallas_chunk_kda_fused_gate(q, k, v, g, b, a, d, lower_bound=LB,
                                                         block_v=bv, num_warps=nw, num_stages=ns,
-                                                        intra=it, inverse_warps=iw))
+                                                        inverse_warps=iw))
                 ms = bench(f, args)
                 r[f"{tag}_ms"] = round(ms, 4)
             except Exception as e:
@@ -223,14 +207,14 @@ def run_jax():
 
 
 def run_stages():
-    """Each kernel of the "wide" intra stage timed alone (fused activations, bf16), and the whole
-    call with the v1 and wide stages, so the inter kernel's share is the difference."""
+    """Each kernel of the intra stage timed alone (fused activations, bf16), and the whole call,
+    so the inter kernel's share is the difference."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks.timing import median_ms
     from pallas_kernels.kda.intra_blocks import compiler_params
-    from pallas_kernels.kda.pallas_intra_wide import chunk_inverses, intra_pairs, intra_wu
+    from pallas_kernels.kda.pallas_intra import chunk_inverses, intra_pairs, intra_wu
     from pallas_kernels.kda.pallas_kda import pallas_chunk_kda_fused_gate
 
     res = {"env": {"jax": jax.__version__, "device": str(jax.devices()[0])}}
@@ -261,11 +245,9 @@ def run_stages():
             wu = jax.jit(lambda x, bk, v, b, w=warps: intra_wu(
                 x, bk, v, b, fused=True, interpret=False, params=compiler_params(False, w, 1)))
             r[f"wu_w{warps}_ms"] = round(median_ms(wu, x, bk, v, beta, reps=5, inner=10), 4)
-        for intra in ("v1", "wide"):
-            f = jax.jit(lambda *a, it=intra: pallas_chunk_kda_fused_gate(
-                *a, lower_bound=LB, block_v=128, intra=it))
-            r[f"whole_{intra}_bv128_ms"] = round(
-                median_ms(f, q, k, v, g, beta, A_log, dt_bias, reps=5, inner=10), 4)
+        f = jax.jit(lambda *a: pallas_chunk_kda_fused_gate(*a, lower_bound=LB, block_v=128))
+        r["whole_bv128_ms"] = round(
+            median_ms(f, q, k, v, g, beta, A_log, dt_bias, reps=5, inner=10), 4)
         res[f"B{B}_T{T}_H{H}"] = r
         print(B, T, H, r, flush=True)
         json.dump(res, open(os.path.join(OUT, "jax_kda_stages.json"), "w"), indent=1)

@@ -196,7 +196,7 @@ LOWER_BOUND = -5.0
 sds = jax.ShapeDtypeStruct
 
 
-def _kda_fwd(intra: str, block_v: int, warps: int | None) -> tuple[Callable, tuple]:
+def _kda_fwd(block_v: int, warps: int | None) -> tuple[Callable, tuple]:
     """K3's forward call: raw bf16 q, k, gate and beta logits, activations fused in the kernel."""
     tokens = (KDA_B, KDA_T, KDA_H, KDA_D)
     args = (sds(tokens, jnp.bfloat16),) * 4 + (
@@ -208,7 +208,7 @@ def _kda_fwd(intra: str, block_v: int, warps: int | None) -> tuple[Callable, tup
 
     def fn(*a: jax.Array) -> tuple[jax.Array, jax.Array]:
         return pallas_chunk_kda_fused_gate(*a, lower_bound=LOWER_BOUND, interpret=False,
-                                           intra=intra, block_v=block_v, **tuning)
+                                           block_v=block_v, **tuning)
 
     return fn, args
 
@@ -241,9 +241,7 @@ def _moe_down() -> tuple[Callable, tuple]:
 
 
 CASES: dict[str, Callable[[int | None], tuple[Callable, tuple]]] = {
-    "kda_fwd_v1": lambda warps: _kda_fwd("v1", 128, warps),
-    "kda_fwd_split": lambda warps: _kda_fwd("split", 64, warps),
-    "kda_fwd_wide": lambda warps: _kda_fwd("wide", 128, warps),
+    "kda_fwd": lambda warps: _kda_fwd(128, warps),
     "kda_bwd": lambda _warps: _kda_bwd(),
     "moe_gate_up": lambda _warps: _moe_gate_up(),
     "moe_down": lambda _warps: _moe_down(),
@@ -255,7 +253,7 @@ def main() -> None:
     parser.add_argument("cases", nargs="*", metavar="case",
                         help=f"any of {', '.join(CASES)} (default: all)")
     parser.add_argument("--warps", type=int, help="num_warps for the cases whose public function "
-                        "takes it (kda_fwd_v1, kda_fwd_split); the others keep their own")
+                        "takes it (kda_fwd); the others keep their own")
     opts = parser.parse_args()
     unknown = sorted(set(opts.cases) - set(CASES))
     if unknown:

@@ -1,9 +1,9 @@
 """Building blocks of the Pallas-Triton KDA intra-chunk kernels (forward and the backward's recompute).
 
-Each helper works on one chunk of one head inside a kernel body, in 16-row sub-chunks, because
-Pallas-Triton cannot slice register values: the kernels load sub-chunks straight from their refs
-and pass Python lists of them here. Math: kda.md sections 2.1 / 2.4; the midpoint offsets are
-explained in ``pallas_kda.py``.
+Launch parameters, operand dtypes, K3's fused input activations, and the 16x16-block triangular
+inverse with its row-block store: Pallas-Triton cannot slice register values, so the inverse
+kernel loads the blocks of ``L`` straight from its ref and passes them here as a dict. Math:
+kda.md sections 2.1 / 2.4.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_math import BC, MID, NC, row
-from pallas_kernels.kda.chunk_math import CLAMP as _CLAMP
+from pallas_kernels.kda.chunk_math import BC, NC
 from pallas_kernels.kda.chunk_math import dot as _dot
 
 try:  # Triton compiler params (GPU only); interpret mode ignores them.
@@ -90,47 +89,6 @@ def activations(fused: bool, lower_bound: float, gs_ref, db_ref, h):
         return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6)
 
     return gate, l2, lambda beta: jax.nn.sigmoid(beta.astype(_F32))
-
-
-def cumulative_gate(g, carry, gate):
-    """One sub-chunk's in-chunk cumulative log-decay, continuing from ``carry`` (the previous
-    sub-chunk's last row). -> (G [BC, K], its last row)."""
-    G = jnp.cumsum(gate(g), axis=0) + carry[None, :]
-    rows = lax.broadcasted_iota(jnp.int32, G.shape, 0)
-    return G, jnp.sum(jnp.where(rows == BC - 1, G, 0.0), axis=0)
-
-
-def row_blocks(i, qs, beta, ks, Gs, mm_dtype):
-    """Sub-chunk i's 16x16 blocks against sub-chunks j <= i (``ks``, ``Gs`` hold 0..i), with the
-    midpoint offset ``G_m`` of row sub-chunk i: ``L[i, j] = beta_i (k_i e^{G_i-G_m})
-    (k_j e^{G_m-G_j})^T`` and ``Aqk[i, j] = (qs_i e^{G_i-G_m}) (k_j e^{G_m-G_j})^T``, the diagonal
-    blocks masked (strictly / non-strictly lower). -> ([L[i, j]], [Aqk[i, j]]) for j = 0..i."""
-    ri = lax.broadcasted_iota(jnp.int32, (BC, BC), 0)
-    ci = lax.broadcasted_iota(jnp.int32, (BC, BC), 1)
-    G_m = row(Gs[i], MID)
-    row_fac = jnp.exp(Gs[i] - G_m)
-    kl = ks[i] * row_fac
-    ql = qs * row_fac
-    L_row, A_row = [], []
-    for j in range(i + 1):
-        kr = ks[j] * jnp.exp(jnp.minimum(G_m - Gs[j], _CLAMP))
-        lk = _dot(kl, kr, mm_dtype, trans_b=True) * beta[:, None]
-        aq = _dot(ql, kr, mm_dtype, trans_b=True)
-        if i == j:
-            lk = jnp.where(ri > ci, lk, 0.0)
-            aq = jnp.where(ri >= ci, aq, 0.0)
-        L_row.append(lk)
-        A_row.append(aq)
-    return L_row, A_row
-
-
-def row_product(i, X, operands, mm_dtype):
-    """Row block i of ``X @ operand`` from the operand's 16-row sub-chunks: the sum over j <= i,
-    in order, of ``X[i, j] @ operands[j]``."""
-    acc = _dot(X[i, 0], operands[0], mm_dtype)
-    for j in range(1, i + 1):
-        acc = acc + _dot(X[i, j], operands[j], mm_dtype)
-    return acc
 
 
 def store_row(ref, b, ts, h, blocks):

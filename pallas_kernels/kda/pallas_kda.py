@@ -4,23 +4,17 @@ Scope: forward only, K3's safe gate (every per-step log-decay ``g`` in ``[-5, 0]
 ``lower_bound = -5`` as in ``linear_attn_config.gate_lower_bound``), chunk ``C = 64``,
 sub-chunk ``BC = 16``. Math: kda.md sections 2.1 / 2.4.
 
-Two kernels (both ``pl.pallas_call``):
+Two stages:
 
-1. ``_intra_kernel``, grid ``(B, H, N)`` with ``N = ceil(T / 64)`` chunks, fully parallel.
-   Per chunk, in 16-row sub-chunks ``I = 0..3`` (loaded straight from the refs, since
-   Pallas-Triton cannot slice register values): in-chunk cumulative gate ``G``; for every
-   sub-chunk pair ``J <= I`` the blocks ``L[I,J] = beta_I (k_I e^{G_I-G_m}) (k_J e^{G_m-G_J})^T``
-   and ``Aqk[I,J] = (scale q_I e^{G_I-G_m}) (k_J e^{G_m-G_J})^T``, all with the midpoint
-   offset ``G_m = G[16 I + 8]`` of the *row* sub-chunk. The lower bound is what makes this a
-   plain matmul for the diagonal blocks: ``|G_r - G_m| <= 8 * 5 = 40`` nats inside a
-   sub-chunk, far from fp32/bf16 overflow (e^88); for ``J < I`` the column factor is <= 1.
-   Then ``(I + L)^{-1}`` in fp32: each 16x16 diagonal block by the exact Neumann product
-   ``(I - L)(I + L^2)(I + L^4)(I + L^8)`` (L is nilpotent of order 16), off-diagonal blocks by
-   block forward substitution ``X_IJ = -D_I^{-1} sum_{J<=M<I} L_IM X_MJ``; then
-   ``W = X (beta k e^G)``, ``U = X (beta v)``, ``Qg = scale q e^G``, ``Kd = k e^{G_last - G}``,
-   ``gl = e^{G_last}``. Optionally fuses the input activations of fla's K3 call
-   (q/k L2 norm, ``g = lb * sigmoid(exp(A_log) (g_raw + dt_bias))``, ``beta = sigmoid(b)``),
-   so they cost no extra HBM pass.
+1. The intra-chunk stage (``pallas_intra.py``), fully parallel over ``(B, H, N)`` with
+   ``N = ceil(T / 64)`` chunks: per chunk the cumulative gate ``G``, the pair matrices
+   ``L = beta_r P(k, k)`` and ``Aqk = P(scale q, k)`` (``P[r, i] = sum_d x_r y_i e^{G_r - G_i}``,
+   each factor taken against a 16-row sub-chunk's midpoint: the lower bound keeps both within
+   e^40, so they are plain matmuls), ``X = (I + L)^{-1}``, ``W = X (beta k e^G)``,
+   ``U = X (beta v)``, ``Qg = scale q e^G``, ``Kd = k e^{G_last - G}``, ``gl = e^{G_last}``.
+   Optionally it fuses the input activations of fla's K3 call (q/k L2 norm,
+   ``g = lb * sigmoid(exp(A_log) (g_raw + dt_bias))``, ``beta = sigmoid(b)``), so they cost no
+   extra HBM pass.
 2. ``_inter_kernel``, grid ``(B, H, V / BV)``, sequential ``fori_loop`` over chunks keeping the
    fp32 state ``S [K, BV]`` on chip: ``v_new = U - W S``, ``o = Qg S + Aqk v_new``,
    ``S = gl * S + Kd^T v_new``. Output and final state written directly (no per-chunk states).
@@ -28,7 +22,7 @@ Two kernels (both ``pl.pallas_call``):
 Packed sequences (``cu_seqlens``): the inputs are gathered into a chunk-aligned layout
 (``varlen_layout.py``: each sequence padded to whole chunks, at most ``N * (C - 1)`` extra
 tokens, where a padded ``[N, max_len]`` batch can cost up to ``N`` times the tokens), the intra
-kernel runs on it unchanged, and the inter kernel's grid becomes ``(N, H, V / BV)``: each program
+stage runs on it unchanged, and the inter kernel's grid becomes ``(N, H, V / BV)``: each program
 loops over its own sequence's chunk range (int32 chunk offsets read in the kernel) from that
 sequence's initial state, so the sequences run in parallel and no state crosses a boundary. The
 price is one gather of the inputs and one of the output.
@@ -49,15 +43,13 @@ Triton-only primitives (only ref loads/stores with ``pl.ds``, ``jnp`` math, ``la
 so a port to Mosaic GPU / Mosaic TPU is a rewrite of the memory movement, not of the math.
 Triton constraints: K, V and BV must be powers of two >= 16.
 
-Measured on one H200 (2026-11-29, benchmarks/RESULTS.md): B4 T8192 H96 D128 bf16 13.8 ms with
-the fused activations (fla-core 9.95 ms in the same job), B1 T32768 H16 4.03 ms (fla 2.28 ms,
-other job); bf16 error vs the fp32 reference equal to fla's. Defaults: ``num_warps=8,
-num_stages=1`` and ``default_tiles`` (block_v and intra variant by the number of
-sequence-heads), the fastest measured.
-``intra="split"`` runs the intra stage as two kernels (``_intra_solve_kernel``,
-``_intra_wu_kernel``) with a smaller register set per kernel. Variants measured slower on the
-H200 and removed (benchmarks/RESULTS.md): "lean", "blocks", "stream" (v1 reordered for 16 warps)
-and "kblock" (sums over key-channel blocks).
+Measured on one H200 (benchmarks/RESULTS.md): B4 T8192 H96 D128 bf16 9.68 ms with the fused
+activations (fla-core 9.95 ms in an earlier job on the same machine kind), B1 T32768 H16 3.32 ms
+(fla 2.28 ms, other job); bf16 error vs the fp32 reference equal to fla's. Defaults:
+``num_warps=8, num_stages=1``, ``default_block_v`` and ``INVERSE_WARPS``, the fastest measured.
+Intra stages measured slower on the H200 and removed (benchmarks/RESULTS.md): one kernel over
+16-row sub-chunks ("v1", 13.5 ms at B4 T8192 H96), the same as two kernels ("split"), and the
+variants "lean", "blocks", "stream" and "kblock".
 
 Requires the safe gate: a step with ``g < -5`` (more precisely, > 35-40 nats of decay inside a
 16-token sub-chunk) can overflow the midpoint factorisation; use the XLA reference otherwise.
@@ -72,110 +64,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_math import BC, C, NC
+from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.chunk_math import dot as _dot
-from pallas_kernels.kda.intra_blocks import (
-    activations, compiler_params, cumulative_gate, matmul_dtypes, row_blocks, row_product,
-    store_row, unit_lower_inverse,
-)
-from pallas_kernels.kda.pallas_intra_wide import intra_wide, intra_wu
+from pallas_kernels.kda.intra_blocks import compiler_params, matmul_dtypes
+from pallas_kernels.kda.pallas_intra import intra_stage
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
 _F32 = jnp.float32
 LOWER_BOUND_MIN = -5.0
-INTRA_VARIANTS = ("v1", "split", "wide")
-
-
-def _intra_kernel(
-    q_ref, k_ref, v_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, lower_bound,
-):
-    gs_ref, db_ref, rest = (*rest[:2], rest[2:]) if fused else (None, None, rest)
-    w_ref, u_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    K = q_ref.shape[-1]
-    t0 = c * C
-    gate, l2, beta_of = activations(fused, lower_bound, gs_ref, db_ref, h)
-
-    qs, ks, vs, Gs, betas = [], [], [], [], []
-    carry = jnp.zeros((K,), _F32)
-    for i in range(NC):
-        ts = pl.ds(t0 + i * BC, BC)
-        G, carry = cumulative_gate(g_ref[b, ts, h, :], carry, gate)
-        qs.append(l2(q_ref[b, ts, h, :]) * scale)
-        ks.append(l2(k_ref[b, ts, h, :]))
-        vs.append(v_ref[b, ts, h, :])
-        Gs.append(G)
-        betas.append(beta_of(b_ref[b, ts, h]))
-    G_last = carry
-
-    # Intra-chunk blocks with the midpoint offset of the row sub-chunk.
-    L, Aqk = {}, {}
-    for i in range(NC):
-        L_row, Aqk[i] = row_blocks(i, qs[i], betas[i], ks, Gs, mm_dtype)
-        L.update({(i, j): blk for j, blk in enumerate(L_row)})
-
-    X = unit_lower_inverse(L)
-
-    sd = w_ref.dtype
-    bk = [betas[j][:, None] * ks[j] * jnp.exp(Gs[j]) for j in range(NC)]
-    bv = [betas[j][:, None] * vs[j].astype(_F32) for j in range(NC)]
-    for i in range(NC):
-        ts = pl.ds(t0 + i * BC, BC)
-        w_ref[b, ts, h, :] = row_product(i, X, bk, mm_dtype).astype(sd)
-        u_ref[b, ts, h, :] = row_product(i, X, bv, mm_dtype).astype(u_ref.dtype)
-        qg_ref[b, ts, h, :] = (qs[i] * jnp.exp(Gs[i])).astype(sd)
-        kd_ref[b, ts, h, :] = (ks[i] * jnp.exp(G_last[None, :] - Gs[i])).astype(sd)
-        store_row(a_ref, b, ts, h, Aqk[i])
-    gl_ref[b, c, h, :] = jnp.exp(G_last)
-
-
-def _intra_solve_kernel(
-    q_ref, k_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, lower_bound,
-):
-    """First half of ``intra="split"``: the sub-chunk blocks and the inverse, not W and U.
-
-    Each sub-chunk's Qg and Aqk row block are stored as soon as they exist and v is not loaded
-    at all. Writes ``X = (I + L)^{-1}`` (its 16x16 blocks, zeros above the diagonal) and
-    ``bk = beta k e^G`` instead of multiplying them here, so v and the W/U accumulators never
-    share registers with the sub-chunk lists; ``_intra_wu_kernel`` then forms W and U as two
-    whole-chunk [C, C] x [C, *] products. Same roundings as "v1": X and bk are exactly the
-    operands its W/U dots cast to ``mm_dtype``.
-    """
-    gs_ref, db_ref, rest = (*rest[:2], rest[2:]) if fused else (None, None, rest)
-    x_ref, bk_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
-    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    K = q_ref.shape[-1]
-    t0 = c * C
-    sd = qg_ref.dtype
-    gate, l2, beta_of = activations(fused, lower_bound, gs_ref, db_ref, h)
-
-    ks, Gs, L = [], [], {}
-    carry = jnp.zeros((K,), _F32)
-    for i in range(NC):
-        ts = pl.ds(t0 + i * BC, BC)
-        k = l2(k_ref[b, ts, h, :])
-        G, carry = cumulative_gate(g_ref[b, ts, h, :], carry, gate)
-        beta = beta_of(b_ref[b, ts, h])
-        qs = l2(q_ref[b, ts, h, :]) * scale
-        qg_ref[b, ts, h, :] = (qs * jnp.exp(G)).astype(sd)
-        bk_ref[b, ts, h, :] = (beta[:, None] * k * jnp.exp(G)).astype(sd)
-        ks.append(k)
-        Gs.append(G)
-        L_row, A_row = row_blocks(i, qs, beta, ks, Gs, mm_dtype)
-        L.update({(i, j): blk for j, blk in enumerate(L_row)})
-        store_row(a_ref, b, ts, h, A_row)
-
-    # G_last is the cumsum's own last row (not a separate sum of the gates), so that the last
-    # row of Kd = k e^{G_last - G} is exactly k: a second summation order is off by ~1e-5
-    # relative at G_last ~ -160, which would show directly in the state.
-    G_last = carry
-    gl_ref[b, c, h, :] = jnp.exp(G_last)
-    X = unit_lower_inverse(L)
-    for i in range(NC):
-        ts = pl.ds(t0 + i * BC, BC)
-        kd_ref[b, ts, h, :] = (ks[i] * jnp.exp(G_last[None, :] - Gs[i])).astype(sd)
-        store_row(x_ref, b, ts, h, [X[i, j] for j in range(i + 1)])
 
 
 def _inter_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
@@ -211,86 +108,31 @@ def _is_pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
 
-def intra_split(ins, *, scale, fused, lower_bound, interpret, params):
-    """The intra stage as two kernels (``_intra_solve_kernel`` then ``_intra_wu_kernel``):
-    ``(X, W, U, Qg, Kd, Aqk, gl)`` with ``X = (I + L)^{-1}``, which the backward reuses.
-    ``ins``: q, k, v, g, beta [, gate_scale, dt_bias when ``fused``]."""
-    q, k, v, g, beta = ins[:5]
-    B, Tp, H, K = q.shape
-    V = v.shape[-1]
-    n = Tp // C
-    mm_dtype, sd = matmul_dtypes(v)
-    x, bk, qg, kd, aqk, gl = pl.pallas_call(
-        functools.partial(_intra_solve_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused,
-                          lower_bound=lower_bound),
-        grid=(B, H, n),
-        out_shape=(
-            jax.ShapeDtypeStruct((B, Tp, H, C), sd),  # X = (I + L)^-1
-            jax.ShapeDtypeStruct((B, Tp, H, K), sd),  # beta k e^G
-            jax.ShapeDtypeStruct((B, Tp, H, K), sd),  # Qg
-            jax.ShapeDtypeStruct((B, Tp, H, K), sd),  # Kd
-            jax.ShapeDtypeStruct((B, Tp, H, C), sd),  # Aqk
-            jax.ShapeDtypeStruct((B, n, H, K), _F32),  # e^{G_last}
-        ),
-        interpret=interpret,
-        name="kda_intra_solve",
-        **params,
-    )(q, k, g, beta, *ins[5:])
-    w, u = intra_wu(x, bk, v, beta, fused=fused, interpret=interpret, params=params)
-    return x, w, u, qg, kd, aqk, gl
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
         "scale", "interpret", "fused", "lower_bound", "block_v", "num_warps", "num_stages",
-        "intra", "intra_warps", "inverse_warps",
+        "intra_warps", "inverse_warps",
     ),
 )
 def _pallas_chunk_kda(
     q, k, v, g, beta, initial_state, gate_scale, dt_bias, chunk_offsets=None, *, scale,
-    interpret, fused, lower_bound, block_v, num_warps, num_stages, intra, intra_warps,
-    inverse_warps,
+    interpret, fused, lower_bound, block_v, num_warps, num_stages, intra_warps, inverse_warps,
 ):
     """``chunk_offsets`` (int32 [N + 1], traced) marks a chunk-aligned packed batch (B == 1)."""
     B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
     V = v.shape[-1]
     n = Tp // C
-    mm_dtype, sd = matmul_dtypes(v)
+    mm_dtype, _ = matmul_dtypes(v)
     bv = min(block_v, V)
     params = compiler_params(interpret, num_warps, num_stages)
-    intra_params = compiler_params(interpret, intra_warps, num_stages)
 
     ins = (q, k, v, g, beta) + ((gate_scale, dt_bias) if fused else ())
-    if intra == "split":
-        _, w, u, qg, kd, aqk, gl = intra_split(ins, scale=scale, fused=fused,
-                                               lower_bound=lower_bound, interpret=interpret,
-                                               params=intra_params)
-    elif intra == "wide":
-        _, w, u, qg, kd, aqk, gl = intra_wide(
-            ins, scale=scale, fused=fused, lower_bound=lower_bound, interpret=interpret,
-            params=intra_params,
-            inverse_params=compiler_params(interpret, inverse_warps, num_stages),
-        )
-    else:
-        intra_fn = functools.partial(
-            _intra_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused, lower_bound=lower_bound,
-        )
-        w, u, qg, kd, aqk, gl = pl.pallas_call(
-            intra_fn,
-            grid=(B, H, n),
-            out_shape=(
-                jax.ShapeDtypeStruct((B, Tp, H, K), sd),
-                jax.ShapeDtypeStruct((B, Tp, H, V), sd),
-                jax.ShapeDtypeStruct((B, Tp, H, K), sd),
-                jax.ShapeDtypeStruct((B, Tp, H, K), sd),
-                jax.ShapeDtypeStruct((B, Tp, H, C), sd),
-                jax.ShapeDtypeStruct((B, n, H, K), _F32),
-            ),
-            interpret=interpret,
-            name="kda_intra_safe_gate",
-            **intra_params,
-        )(*ins)
+    _, w, u, qg, kd, aqk, gl = intra_stage(
+        ins, scale=scale, fused=fused, lower_bound=lower_bound, interpret=interpret,
+        params=compiler_params(interpret, intra_warps, num_stages),
+        inverse_params=compiler_params(interpret, inverse_warps, num_stages),
+    )
 
     varlen = chunk_offsets is not None
     n_seq = initial_state.shape[0]
@@ -311,24 +153,20 @@ def _pallas_chunk_kda(
     return o, ht
 
 
-INVERSE_WARPS = 1  # the "wide" inverse kernel (16x16 blocks): one warp, fastest of 1, 2, 4
+INVERSE_WARPS = 1  # the intra stage's inverse kernel (16x16 blocks): one warp, fastest of 1, 2, 4
 FEW_SEQUENCE_HEADS = 128  # below this many (sequence, head) pairs, favour parallelism
 
 
-def default_tiles(sequence_heads: int) -> tuple[int, str]:
-    """(block_v, intra) measured fastest on an H200 (benchmarks/RESULTS.md).
+def default_block_v(sequence_heads: int) -> int:
+    """block_v measured fastest on an H200 (benchmarks/RESULTS.md).
 
     The inter kernel has one program per (sequence, head, V block), each walking all chunks, so
     with few sequence-heads (B1 H16: 16 programs for 132 SMs) halving block_v doubles the
-    parallel programs: 3.32 vs 4.70 ms at B1 T32768 H16 ("wide" intra stage). With many (B4 H96)
-    block_v 128 is faster: 10.14 vs 10.94 ms. The "wide" intra stage beats "v1" and "split" in
-    both (B4 T8192 H96: 10.14 vs 13.50 / 15.10 ms; B1 T32768 H16: 3.32 vs 5.27 / 4.00 ms).
-    The threshold lies between those two measured points (16 and 384 sequence-heads) and is not
-    itself measured; K3's batch-1 prefill (96 heads) falls below it.
+    parallel programs: 3.32 vs 4.70 ms at B1 T32768 H16. With many (B4 H96) block_v 128 is
+    faster: 9.68 vs 10.41 ms. The threshold lies between those two measured points (16 and 384
+    sequence-heads) and is not itself measured; K3's batch-1 prefill (96 heads) falls below it.
     """
-    if sequence_heads < FEW_SEQUENCE_HEADS:
-        return 64, "wide"
-    return 128, "wide"
+    return 64 if sequence_heads < FEW_SEQUENCE_HEADS else 128
 
 
 def _default_interpret() -> bool:
@@ -349,7 +187,6 @@ def pallas_chunk_kda(
     block_v: int | None = None,
     num_warps: int = 8,
     num_stages: int = 1,
-    intra: str | None = None,
     intra_warps: int | None = None,
     inverse_warps: int = INVERSE_WARPS,
 ) -> tuple[jax.Array, jax.Array]:
@@ -360,12 +197,11 @@ def pallas_chunk_kda(
     final state fp32 [B, H, K, V])``. ``interpret`` defaults to True off GPU.
     ``cu_seqlens``: host int offsets [N + 1] of packed sequences (B == 1); then initial_state
     and the final state are [N, H, K, V] and no state crosses a sequence boundary.
-    ``intra``: "v1" | "split" (same quantities; default by ``default_tiles``);
-    ``intra_warps``: num_warps of the intra-stage kernel(s) (default ``num_warps``);
-    ``inverse_warps``: num_warps of the "wide" stage's 16x16-block inverse kernel.
+    ``intra_warps``: num_warps of the intra stage's pair and W/U kernels (default ``num_warps``);
+    ``inverse_warps``: num_warps of its 16x16-block inverse kernel.
     """
     return _call(q, k, v, g, beta, None, None, scale, initial_state, interpret, False, 0.0,
-                 block_v, num_warps, num_stages, intra, intra_warps, inverse_warps, cu_seqlens)
+                 block_v, num_warps, num_stages, intra_warps, inverse_warps, cu_seqlens)
 
 
 def pallas_chunk_kda_fused_gate(
@@ -385,11 +221,10 @@ def pallas_chunk_kda_fused_gate(
     block_v: int | None = None,
     num_warps: int = 8,
     num_stages: int = 1,
-    intra: str | None = None,
     intra_warps: int | None = None,
     inverse_warps: int = INVERSE_WARPS,
 ) -> tuple[jax.Array, jax.Array]:
-    """As ``pallas_chunk_kda`` with K3's input activations fused into the intra kernel.
+    """As ``pallas_chunk_kda`` with K3's input activations fused into the intra stage.
 
     q, k raw (L2-normalised in the kernel, ``x * rsqrt(sum x^2 + 1e-6)``); g_raw [B, T, H, K]
     gate pre-activation, ``g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias))``;
@@ -404,12 +239,12 @@ def pallas_chunk_kda_fused_gate(
     gate_scale = jnp.broadcast_to(jnp.exp(A_log.reshape(-1)[:H].astype(_F32))[:, None], (H, K))
     dt = dt_bias.astype(_F32).reshape(H, K)
     return _call(q, k, v, g_raw, beta_logits, gate_scale, dt, scale, initial_state, interpret,
-                 True, float(lower_bound), block_v, num_warps, num_stages, intra, intra_warps,
+                 True, float(lower_bound), block_v, num_warps, num_stages, intra_warps,
                  inverse_warps, cu_seqlens)
 
 
 def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret, fused,
-          lower_bound, block_v, num_warps, num_stages, intra, intra_warps, inverse_warps,
+          lower_bound, block_v, num_warps, num_stages, intra_warps, inverse_warps,
           cu_seqlens):
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -422,11 +257,7 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
                 f"pallas KDA on GPU needs K and V powers of two >= 16 (Triton), got {bad}"
             )
     n_seq = B if cu_seqlens is None else host_offsets(cu_seqlens, T).size - 1
-    auto_bv, auto_intra = default_tiles(n_seq * H)
-    block_v = auto_bv if block_v is None else block_v
-    intra = auto_intra if intra is None else intra
-    if intra not in INTRA_VARIANTS:
-        raise ValueError(f"intra: expected one of {INTRA_VARIANTS}, got {intra!r}")
+    block_v = default_block_v(n_seq * H) if block_v is None else block_v
     if not _is_pow2(block_v) or block_v < 16:
         raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
     scale = K**-0.5 if scale is None else float(scale)
@@ -437,7 +268,7 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
     kw = dict(
         scale=scale, interpret=bool(interpret), fused=fused, lower_bound=lower_bound,
         block_v=block_v if V % block_v == 0 else V, num_warps=num_warps, num_stages=num_stages,
-        intra=intra, intra_warps=num_warps if intra_warps is None else intra_warps,
+        intra_warps=num_warps if intra_warps is None else intra_warps,
         inverse_warps=inverse_warps,
     )
     if cu_seqlens is not None:
@@ -459,7 +290,7 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
 
 def _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens, neg, kw):
     """Packed sequences: run on the chunk-aligned layout (``varlen_layout.py``), in which each
-    sequence starts on a chunk boundary, so the intra kernel runs unchanged and the inter kernel
+    sequence starts on a chunk boundary, so the intra stage runs unchanged and the inter kernel
     loops over one sequence's chunk range per program."""
     B, T, H, K = q.shape
     V = v.shape[-1]

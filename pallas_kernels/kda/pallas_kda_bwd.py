@@ -2,22 +2,22 @@
 
 The same three passes as ``chunk_backward.py``, as ``pl.pallas_call``s (this file: the wrappers and
 the entry point; kernel bodies in ``pallas_bwd_states.py``, ``pallas_bwd_value.py``,
-``pallas_bwd_channels.py``, ``pallas_bwd_row_blocks.py``):
+``pallas_bwd_channels.py``):
 
 1. ``stage_parts``, grid ``(B, H, N)``, parallel: recompute the chunk's A = (I + L)^{-1}, W, U,
-   Aqk, Qg, Kd and decay gl from q, k, v, g, beta with the forward's own intra kernels.
+   Aqk, Qg, Kd and decay gl from q, k, v, g, beta with the forward's own intra stage.
 2. ``stage_states`` / ``stage_dstates``, grid ``(S, H, V / BV)``: the forward state recurrence
    again (storing every chunk's input state ``h`` and ``v_new``), then the reverse one for ``dh``
    and ``dv_new``, with the state on chip; the reverse one's last value is the initial state's
    gradient.
 3. ``stage_grads``, parallel over chunks: dq, dk, dv, dg, dbeta of every chunk: a chunk kernel
    for dv and the chunk's [C, C] sums dAqk and dL, then one program per (chunk, key-channel
-   block) for that block's V-contracting sums and its key side, in 16-row blocks with ~5x fewer
-   multiply-adds than whole-chunk products. Variants measured slower on the H200 and removed
-   (benchmarks/RESULTS.md): whole-chunk key sides ("fused"/"split", 2.2x), one kernel for both
-   sides ("fused_blocked", 16x), one program per chunk for all the V sums, and the per-chunk
-   "blocks" key side (key-channel sums through HBM, then one program per chunk over all
-   channels: whole backward 48.17 vs 45.47 ms at B4 T8192 H96, 10.70 vs 10.36 at B1 T32768 H16).
+   block) for that block's V-contracting sums and its key side on whole 64-row chunks
+   (``pallas_bwd_channels.py``). Variants measured slower on the H200 and removed
+   (benchmarks/RESULTS.md): the same key side in 16-row blocks (gradient pass 30.5 vs 27.5 ms
+   at B4 T8192 H96), whole-chunk key sides over all 128 channels per program ("fused"/"split",
+   2.2x), one kernel for both sides ("fused_blocked", 16x), one program per chunk for all the V
+   sums, and the per-chunk "blocks" key side (key-channel sums through HBM).
 
 Packed sequences (``cu_seqlens``) run on the forward's chunk-aligned layout
 (``varlen_layout.py``); the two recurrences then loop over one sequence's chunk range per program,
@@ -38,10 +38,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C
-from pallas_kernels.kda.pallas_bwd_channels import channel_grads_kernel, channel_grads_wide_kernel
+from pallas_kernels.kda.pallas_bwd_channels import channel_grads_kernel
 from pallas_kernels.kda.pallas_bwd_states import dstates_kernel, states_kernel
 from pallas_kernels.kda.pallas_bwd_value import chunk_sums_kernel
-from pallas_kernels.kda.pallas_intra_wide import intra_wide
+from pallas_kernels.kda.pallas_intra import intra_stage
 from pallas_kernels.kda.pallas_kda import INVERSE_WARPS, compiler_params, matmul_dtypes
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
@@ -58,7 +58,7 @@ def stage_parts(q, k, v, g, beta, *, scale, interpret, num_warps, num_stages):
     Kd are the forward's values bit for bit; A is the ``(I + L)^{-1}`` that its inverse kernel
     already writes.
     """
-    A, W, U, qg, kd, aqk, gl = intra_wide(
+    A, W, U, qg, kd, aqk, gl = intra_stage(
         (q, k, v, g, beta), scale=scale, fused=False, lower_bound=0.0, interpret=interpret,
         params=compiler_params(interpret, num_warps, num_stages),
         inverse_params=compiler_params(interpret, INVERSE_WARPS, num_stages),
@@ -104,9 +104,9 @@ def stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets=None, *, block_v, i
     )(*((chunk_offsets,) if varlen else ()), qg, W, aqk, kd, gl, do, dht)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_k", "key_side") + _TUNING)
+@functools.partial(jax.jit, static_argnames=("scale", "block_k") + _TUNING)
 def stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, *, scale, block_k, interpret,
-                num_warps, num_stages, key_side="wide"):
+                num_warps, num_stages):
     """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes. A chunk kernel, grid
     ``(B, H, N)``, forms dv, the chunk's [C, C] sums dAqk and dL, and ``yu = A^T dv_new``
     (``pallas_bwd_value``); then ``pallas_bwd_channels``, grid ``(B, H, N, K / block_k)``, forms
@@ -128,8 +128,7 @@ def stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, *, scale, block_k, in
         interpret=interpret, name="kda_bwd_grads_v_chunk", **params,
     )(A, beta, v, do, dvn, vn)
     dq, dk, dg, dbeta_k = pl.pallas_call(
-        functools.partial(channel_grads_wide_kernel if key_side == "wide" else channel_grads_kernel,
-                          scale=scale, mm_dtype=mm_dtype, bk=block_k),
+        functools.partial(channel_grads_kernel, scale=scale, mm_dtype=mm_dtype, bk=block_k),
         grid=(B, H, n, K // block_k),
         out_shape=(sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype),
                    sds((B, K // block_k, Tp, H), _F32)),
@@ -151,7 +150,7 @@ def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_
     return (*out, ds0)
 
 
-FEW_SEQUENCE_HEADS = 128  # as the forward's tile choice (pallas_kda.default_tiles)
+FEW_SEQUENCE_HEADS = 128  # as the forward's tile choice (pallas_kda.default_block_v)
 
 
 def default_block_v(sequence_heads: int) -> int:
@@ -192,9 +191,9 @@ def pallas_chunk_kda_bwd(
     channels per program of the gradient pass's key side (see ``stage_grads``; the whole K where
     it does not divide K). ``num_warps`` (the recompute and the state passes) and
     ``grads_warps`` (the gradient pass): the fastest measured on an H200 at B4 T8192 H96 and
-    B1 T32768 H16 (benchmarks/RESULTS.md): the recompute 9.9 ms at 8 warps vs 12.4 at 4; the
-    whole backward 45.47 / 10.36 ms (the two shapes) at grads_warps 4 and grads_block_k 32,
-    against 73.75 / 14.85 at 8 warps and 32 channels and 48.85 / 10.89 at 8 warps and 64.
+    B1 T32768 H16 (benchmarks/RESULTS.md): the whole backward 39.2 / 9.3 ms (the two shapes);
+    the gradient pass 27.5 / 4.56 ms at grads_warps 4 and grads_block_k 32, against 37.0 / 6.1
+    at 16 channels (and 37.5 / 6.2 at 8 warps, timed with an earlier form of the kernel).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import chunk_kda, naive_recurrent_kda
+from pallas_kernels.kda.intra_blocks import unit_lower_inverse
 from pallas_kernels.kda.pallas_kda import pallas_chunk_kda, pallas_chunk_kda_fused_gate
 from pallas_kernels.kda.reference import chunked_kda
 from tests.kda.kda_cases import as_f32, kda_case, rel
@@ -65,13 +66,8 @@ def test_matches_token_recurrence_at_the_bound() -> None:
     assert rel(s, ref_s) <= 1e-4
 
 
-@pytest.mark.parametrize("intra", ["v1", "split", "wide"])
-def test_fused_gate_matches_activated_reference(intra: str) -> None:
-    """In-kernel l2norm / safe-gate sigmoid / beta sigmoid equal the same ops done outside.
-
-    Also the test of the ``split`` and ``wide`` intra kernels against the reference: their fused
-    path is a superset of the plain one.
-    """
+def test_fused_gate_matches_activated_reference() -> None:
+    """In-kernel l2norm / safe-gate sigmoid / beta sigmoid equal the same ops done outside."""
     T = 150
     rng = np.random.default_rng(3)
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
@@ -81,7 +77,7 @@ def test_fused_gate_matches_activated_reference(intra: str) -> None:
     dt_bias = 0.5 * f(H * K)
     s0 = 0.5 * f(B, H, K, V)
     o, s = pallas_chunk_kda_fused_gate(q, k, v, g_raw, b_logit, A_log, dt_bias, lower_bound=LB,
-                                       initial_state=s0, interpret=True, intra=intra)
+                                       initial_state=s0, interpret=True)
     l2 = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)  # noqa: E731
     g = LB * jax.nn.sigmoid(jnp.exp(A_log[:H])[:, None] * (g_raw + dt_bias.reshape(H, K)))
     ref_o, ref_s = chunked_kda(l2(q), l2(k), v, g, jax.nn.sigmoid(b_logit), scale=K**-0.5,
@@ -90,20 +86,42 @@ def test_fused_gate_matches_activated_reference(intra: str) -> None:
     assert rel(s, ref_s) <= 1e-4
 
 
-@pytest.mark.parametrize("intra", ["split", "wide"])
 @pytest.mark.parametrize("T", [1, 65])
-def test_intra_variants_agree_with_v1(T: int, intra: str) -> None:
-    """``intra="split"`` and ``"wide"`` compute v1's quantities: in fp32 to accumulation-order
-    noise, and in bf16 they cast the same X and beta k e^G as v1's W/U dots (the bf16 error
-    against fp32 is ~4e-3 itself, so 1e-5 is far below it)."""
+def test_bf16_inputs_match_reference(T: int) -> None:
+    """bf16 q, k, v: bf16 intermediates (W, U, Qg, Kd, Aqk; X from three bf16 products per fp32
+    one) against the fp32 reference on the same rounded inputs. On the H200 the error is 4.0e-3
+    for o and 2.7e-3 for the state (fla: 4.1e-3 / 2.8e-3), bf16's own rounding; 2e-2 leaves room
+    for small shapes, while a wrong product or mask is off by O(1)."""
     x = make_inputs(T, seed=4)
-    for cast in (jnp.float32, jnp.bfloat16):
-        args = (x["q"].astype(cast), x["k"].astype(cast), x["v"].astype(cast), x["g"], x["beta"])
-        o1, s1 = pallas_chunk_kda(*args, initial_state=x["s0"], interpret=True, intra="v1")
-        o2, s2 = pallas_chunk_kda(*args, initial_state=x["s0"], interpret=True, intra=intra)
-        tol = 1e-6 if cast == jnp.float32 else 1e-5
-        assert rel(o2.astype(jnp.float32), o1.astype(jnp.float32)) <= tol
-        assert rel(s2, s1) <= tol
+    q, k, v = (x[n].astype(jnp.bfloat16) for n in ("q", "k", "v"))
+    o, s = pallas_chunk_kda(q, k, v, x["g"], x["beta"], initial_state=x["s0"], interpret=True)
+    ref_o, ref_s = chunked_kda(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                               x["g"], x["beta"], scale=K**-0.5, initial_state=x["s0"])
+    assert o.dtype == jnp.bfloat16
+    assert rel(o.astype(jnp.float32), ref_o) <= 2e-2
+    assert rel(s, ref_s) <= 2e-2
+
+
+def test_block_inverse() -> None:
+    """``unit_lower_inverse`` (16x16 blocks, IEEE fp32 products) against numpy's inverse of
+    I + L, for an L like the kernel's (strictly lower, entries of beta k_r . k_i e^{G_r - G_i}: at
+    most 1 in size). Its bf16 tensor-core mode (``BF16_BF16_F32_X3``, for a bf16 X) is split into
+    bf16 products by the Triton lowering only: XLA on CPU computes that preset in fp32, so its
+    precision is checked on the GPU (``benchmarks/kda_pallas_h200.py``: o within 4.02e-3 of the
+    fp32 reference with it, as with IEEE products)."""
+    rng = np.random.default_rng(0)
+    kk = rng.standard_normal((64, 16))
+    kk /= np.linalg.norm(kk, axis=1, keepdims=True)
+    decay = np.exp(-0.05 * np.subtract.outer(np.arange(64), np.arange(64)).clip(0))
+    L = np.tril(rng.uniform(0, 1, (64, 1)) * (kk @ kk.T) * decay, -1).astype(np.float32)
+    blocks = {(i, j): jnp.asarray(L[16 * i:16 * i + 16, 16 * j:16 * j + 16])
+              for i in range(4) for j in range(i + 1)}
+    X = unit_lower_inverse(blocks)
+    got = np.zeros((64, 64))
+    for (i, j), blk in X.items():
+        got[16 * i:16 * i + 16, 16 * j:16 * j + 16] = np.asarray(blk)
+    want = np.linalg.inv(np.eye(64) + L.astype(np.float64))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-6
 
 
 def test_api_dispatch() -> None:
@@ -128,8 +146,6 @@ def test_gpu_path_validates_shapes() -> None:
     z = jnp.zeros((1, 8, 1, 24), jnp.float32)
     with pytest.raises(ValueError, match="powers of two"):
         pallas_chunk_kda(z, z, z, z, z[..., 0], interpret=False)
-    with pytest.raises(ValueError, match="intra"):
-        pallas_chunk_kda(z, z, z, z, z[..., 0], interpret=True, intra="v2")
     with pytest.raises(ValueError, match="block_v"):
         pallas_chunk_kda(z, z, z, z, z[..., 0], interpret=True, block_v=24)
     with pytest.raises(ValueError, match="lower_bound"):

@@ -1,23 +1,22 @@
-"""The KDA forward's intra-chunk stage as three kernels on whole 64-row chunks ("wide").
-
-Why: the one-kernel intra stage (``pallas_kda._intra_kernel``) works in 16-row sub-chunks, so
-its ~80 small products each go through a shared-memory layout change and a barrier, and at 8 warps
-a 16x16 tile is held and computed by several warps at once. Here every product in the pair and
-W/U kernels has 64 rows, and the part that needs 16x16 blocks (the triangular inverse) runs in a
-kernel of its own with few warps:
+"""The KDA forward's intra-chunk stage as three kernels, on whole 64-row chunks.
 
 1. ``_pairs_kernel``, grid ``(B, H, N)``: input activations, the cumulative gate ``G`` of the
    whole chunk, ``Qg``, ``Kd``, ``bk = beta k e^G``, ``gl = e^{G_last}``, and the pair matrices
    ``L = beta_r P(k, k)`` (strict, fp32) and ``Aqk = P(q, k)`` (causal) from
    ``chunk_math.pair_scores_many`` (row factors from each row's sub-chunk midpoint, one column
-   factor per sub-chunk: [64, K] x [K, 64] products).
-2. ``_inverse_kernel``: ``X = (I + L)^{-1}`` by 16x16 blocks (``intra_blocks.unit_lower_inverse``,
-   fp32), from the stored ``L``.
-3. ``_wu_kernel``: ``W = X bk``, ``U = X (beta v)`` (also the second kernel of ``intra="split"``).
+   factor per sub-chunk: [64, K] x [K, 64] products masked by row block).
+2. ``_inverse_kernel``: ``X = (I + L)^{-1}`` by 16x16 blocks (``intra_blocks.unit_lower_inverse``)
+   from the stored ``L``, on one warp.
+3. ``_wu_kernel``: ``W = X bk``, ``U = X (beta v)``.
 
-Outputs are those of ``pallas_kda.intra_split`` (same layouts and dtypes), so the inter kernel and
-the backward take either. The price against the one-kernel stage is an HBM round trip of ``L``
-(fp32), ``X`` and ``bk``.
+Why this shape: a single kernel over 16-row sub-chunks (the former "v1" stage) put ~80 small
+products through shared-memory layout changes and barriers, and at 8 warps every 16x16 tile was
+held and computed by several warps at once; it took 13.5 ms at B4 T8192 H96 where this stage and
+the inter kernel together take 9.7 (benchmarks/RESULTS.md). Here the pair and W/U kernels only
+make 64-row products, 4x more tensor-core work than the 16x16 blocks need but far fewer
+instructions, and the one part that needs 16x16 blocks, the triangular inverse, runs alone on
+one warp, where a tile is neither replicated nor synchronised across warps. The price is an HBM
+round trip of ``L`` (fp32), ``X`` and ``bk``.
 """
 
 from __future__ import annotations
@@ -145,9 +144,10 @@ def chunk_inverses(L, dtype, *, interpret, params, precision=None):
     )(L)
 
 
-def intra_wide(ins, *, scale, fused, lower_bound, interpret, params, inverse_params):
-    """``(X, W, U, Qg, Kd, Aqk, gl)`` as ``pallas_kda.intra_split``; ``inverse_params``: launch
-    parameters of the inverse kernel (it wants fewer warps than the others)."""
+def intra_stage(ins, *, scale, fused, lower_bound, interpret, params, inverse_params):
+    """``(X, W, U, Qg, Kd, Aqk, gl)`` of every chunk, ``X = (I + L)^{-1}`` (the backward reuses
+    it). ``ins``: q, k, v, g, beta [, gate_scale, dt_bias when ``fused``]; ``inverse_params``:
+    launch parameters of the inverse kernel (it wants fewer warps than the others)."""
     v, beta = ins[2], ins[4]
     L, bk, qg, kd, aqk, gl = intra_pairs(ins, scale=scale, fused=fused, lower_bound=lower_bound,
                                          interpret=interpret, params=params)
