@@ -83,23 +83,6 @@ def _wu_kernel(x_ref, bk_ref, v_ref, b_ref, w_ref, u_ref, *, mm_dtype, fused):
     u_ref[b, ts, h, :] = dot(X, bv, mm_dtype).astype(u_ref.dtype)
 
 
-def intra_wu(x, bk, v, beta, *, fused, interpret, params):
-    """``(W, U) = (X bk, X (beta v))`` per whole chunk; ``beta`` holds logits when ``fused``."""
-    B, Tp, H, K = bk.shape
-    mm_dtype, sd = matmul_dtypes(v)
-    return pl.pallas_call(
-        functools.partial(_wu_kernel, mm_dtype=mm_dtype, fused=fused),
-        grid=(B, H, Tp // C),
-        out_shape=(
-            jax.ShapeDtypeStruct((B, Tp, H, K), sd),
-            jax.ShapeDtypeStruct((B, Tp, H, v.shape[-1]), sd),
-        ),
-        interpret=interpret,
-        name="kda_intra_wu",
-        **params,
-    )(x, bk, v, beta)
-
-
 def intra_pairs(ins, *, scale, fused, lower_bound, interpret, params):
     """``(L fp32, bk, Qg, Kd, Aqk, gl)`` of every chunk (``_pairs_kernel``). ``ins``: q, k, v, g,
     beta [, gate_scale, dt_bias when ``fused``]."""
@@ -142,6 +125,23 @@ def chunk_inverses(L, dtype, *, interpret, params, precision=None):
         name="kda_intra_inverse",
         **params,
     )(L)
+
+
+def intra_wu(x, bk, v, beta, *, fused, interpret, params):
+    """``(W, U) = (X bk, X (beta v))`` per whole chunk; ``beta`` holds logits when ``fused``."""
+    B, Tp, H, K = bk.shape
+    mm_dtype, sd = matmul_dtypes(v)
+    return pl.pallas_call(
+        functools.partial(_wu_kernel, mm_dtype=mm_dtype, fused=fused),
+        grid=(B, H, Tp // C),
+        out_shape=(
+            jax.ShapeDtypeStruct((B, Tp, H, K), sd),
+            jax.ShapeDtypeStruct((B, Tp, H, v.shape[-1]), sd),
+        ),
+        interpret=interpret,
+        name="kda_intra_wu",
+        **params,
+    )(x, bk, v, beta)
 
 
 def intra_stage(ins, *, scale, fused, lower_bound, interpret, params, inverse_params):
