@@ -8,7 +8,9 @@ Run on the GPU machine, torch half first (it writes the shared numerics case to 
 
 (fla autotunes every kernel on its first call per head count: the torch half's first call took
 264 s on an H200; it skips the timings once KDA_BWD_FLA_BUDGET_S, default 200, have passed, so
-run it alone with e.g. KDA_BWD_FLA_BUDGET_S=480 and timeout 590.)
+run it alone with e.g. KDA_BWD_FLA_BUDGET_S=480 and timeout 590, with FLA_AUTOTUNE=/tmp/fla_tune:
+the autotune results then come back in $OUT/fla_autotune, and a later job that carries them and
+sets FLA_AUTOTUNE to that folder skips the search.)
 
 Both halves use the pre-activated call (the layer computes l2norm, gate and beta outside): unit
 q/k, ``g = -5 * sigmoid(x)`` log-decay, ``beta = sigmoid(x)``, all bf16, fp32 state, the
@@ -41,6 +43,9 @@ T0 = time.time()
 # seconds into the torch half after which fla timings are skipped; fla's first fwd+bwd at H96 (the
 # numerics case, autotuning every kernel) took 264 s on an H200, so give it a whole job's slot
 FLA_BUDGET_S = float(os.environ.get("KDA_BWD_FLA_BUDGET_S", "200"))
+# FLA_AUTOTUNE=dir keeps fla's autotune results there and copies them to $OUT/fla_autotune; a later
+# job that carries that folder back as FLA_AUTOTUNE skips the search (torch_peer.keep_autotuning)
+FLA_AUTOTUNE = os.environ.get("FLA_AUTOTUNE")
 
 
 def _sigmoid(x):
@@ -78,6 +83,9 @@ def save(res, name):
 
 
 def run_torch():
+    from benchmarks.torch_peer import export_autotuning, keep_autotuning
+
+    keep_autotuning(FLA_AUTOTUNE)
     import torch
     from fla.ops.kda import chunk_kda
 
@@ -96,6 +104,7 @@ def run_torch():
     except Exception:
         res["numerics_error"] = traceback.format_exc()[-3000:]
     save(res, out)
+    export_autotuning(FLA_AUTOTUNE, os.path.join(OUT, "fla_autotune"))
 
     for B, T, H in SHAPES:
         name = f"fla_B{B}_T{T}_H{H}"
@@ -109,6 +118,7 @@ def run_torch():
             res[name] = {"error": traceback.format_exc()[-2000:]}
         torch.cuda.empty_cache()
         save(res, out)
+        export_autotuning(FLA_AUTOTUNE, os.path.join(OUT, "fla_autotune"))
 
 
 def _fla_timing(chunk_kda, B, T, H, kw):

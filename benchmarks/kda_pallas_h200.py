@@ -4,8 +4,8 @@ Run on the GPU machine (see benchmarks/RESULTS.md for the recorded numbers):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site device_carry/wheels/*.whl
     PYTHONPATH=/tmp/site:. python3 benchmarks/kda_pallas_h200.py torch   # fla: numerics + timing
-    # (give the torch half >= 200 s: on 2026-11-29 it had not finished fla's first big-shape
-    #  calls within 100 s)
+    # (give the torch half >= 200 s: fla autotunes on its first big-shape calls; with
+    #  FLA_AUTOTUNE=dir the results come back in $OUT/fla_autotune for the next job to carry)
     PYTHONPATH=. python3 benchmarks/kda_pallas_h200.py jax                 # ours + XLA reference
     PYTHONPATH=. python3 benchmarks/kda_pallas_h200.py stages              # the intra kernels alone
 
@@ -39,6 +39,9 @@ CMP = "/tmp/kda_cmp.npz"
 CONFIGS = [(128, 8, 1, 1), (64, 8, 1, 1)]
 if os.environ.get("KDA_CONFIGS"):
     CONFIGS = [tuple(int(x) for x in item.split(",")) for item in os.environ["KDA_CONFIGS"].split(";")]
+# FLA_AUTOTUNE=dir: fla's autotune results kept there and copied to $OUT/fla_autotune; a later job
+# that carries that folder back as FLA_AUTOTUNE skips the search (torch_peer.keep_autotuning).
+FLA_AUTOTUNE = os.environ.get("FLA_AUTOTUNE")
 # KDA_SKIP_XLA=1 skips the slow unfused / XLA-reference columns (already recorded).
 SKIP_XLA = os.environ.get("KDA_SKIP_XLA") == "1"
 
@@ -58,6 +61,9 @@ def np_inputs(B, T, H, seed=0):
 
 
 def run_torch():
+    from benchmarks.torch_peer import export_autotuning, keep_autotuning
+
+    keep_autotuning(FLA_AUTOTUNE)
     import torch
     import triton
     from fla.ops.kda import chunk_kda
@@ -74,6 +80,7 @@ def run_torch():
                           **kw)
     np.savez(CMP, **x, fla_o=o.float().cpu().numpy(), fla_ht=ht.float().cpu().numpy())
     json.dump(res, open(os.path.join(OUT, "torch_kda.json"), "w"), indent=1)
+    export_autotuning(FLA_AUTOTUNE, os.path.join(OUT, "fla_autotune"))
     for B, T, H in SHAPES:
         g = torch.Generator(device="cuda").manual_seed(0)
         mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -90,6 +97,7 @@ def run_torch():
                                       "model_TFLOPS": round(kda_flops(B, T, H) / ms[0] / 1e9, 1)}
         print(res[f"fla_B{B}_T{T}_H{H}"], flush=True)
         json.dump(res, open(os.path.join(OUT, "torch_kda.json"), "w"), indent=1)
+        export_autotuning(FLA_AUTOTUNE, os.path.join(OUT, "fla_autotune"))
         del q, k, v, gate, beta
         torch.cuda.empty_cache()
 
