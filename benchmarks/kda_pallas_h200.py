@@ -223,7 +223,7 @@ def run_stages():
     from benchmarks.timing import median_ms
     from pallas_kernels.kda.intra_blocks import compiler_params
     from pallas_kernels.kda.pallas_intra import chunk_inverses, intra_pairs, intra_wu
-    from pallas_kernels.kda.pallas_kda import pallas_chunk_kda_fused_gate
+    from pallas_kernels.kda.pallas_kda import gate_params, pallas_chunk_kda_fused_gate
 
     res = {"env": {"jax": jax.__version__, "device": str(jax.devices()[0])}}
     for B, T, H in SHAPES:
@@ -233,8 +233,7 @@ def run_stages():
         beta = mk(key[4], B, T, H)
         A_log = jax.random.uniform(key[5], (H,), jnp.float32, -1, 1)
         dt_bias = jnp.zeros((H * D,), jnp.float32)
-        gate_scale = jnp.broadcast_to(jnp.exp(A_log)[:, None], (H, D))
-        ins = (q, k, v, g, beta, gate_scale, dt_bias.reshape(H, D))
+        ins = (q, k, v, g, beta, *gate_params(A_log, dt_bias, H, D))
         r = {}
         for warps in (4, 8):
             pairs = jax.jit(lambda *a, w=warps: intra_pairs(
@@ -245,7 +244,7 @@ def run_stages():
         for warps, products in ((2, jnp.float32), (1, None), (2, None), (4, None)):
             inv = jax.jit(lambda L, w=warps, p=products: chunk_inverses(
                 L, jnp.bfloat16, interpret=False, params=compiler_params(False, w, 1),
-                precision=p))
+                mm_dtype=p))
             tag = "_ieee" if products == jnp.float32 else ""
             r[f"inverse_w{warps}{tag}_ms"] = round(median_ms(inv, L, reps=5, inner=10), 4)
         x = inv(L)

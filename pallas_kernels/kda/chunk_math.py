@@ -30,17 +30,22 @@ CLAMP = 40.0
 
 
 TF32 = "tf32"  # a ``dot`` operand mode: fp32 operands, TF32 tensor-core products on GPU
+# a ``dot`` operand mode: fp32 operands, each product as three bf16 tensor-core products on GPU
+# (~1e-5 relative; XLA on CPU computes it in fp32)
+BF16X3 = "bf16x3"
 
 
 def dot(a: jax.Array, b: jax.Array, mm_dtype, *, trans_a: bool = False,
         trans_b: bool = False) -> jax.Array:
     """a @ b (optionally transposed) with fp32 accumulation; fp32 operands use IEEE fp32,
-    ``mm_dtype=TF32`` fp32 operands at ``Precision.HIGH`` (TF32 in the Triton lowering)."""
+    ``mm_dtype=TF32`` fp32 operands at ``Precision.HIGH`` (TF32 in the Triton lowering),
+    ``mm_dtype=BF16X3`` fp32 operands as three bf16 products (``BF16_BF16_F32_X3``)."""
     dims = (((0,) if trans_a else (1,)), ((1,) if trans_b else (0,)))
-    if mm_dtype in (_F32, TF32):
-        p = _HI if mm_dtype == _F32 else lax.Precision.HIGH
+    if mm_dtype in (_F32, TF32, BF16X3):
+        p = {_F32: (_HI, _HI), TF32: (lax.Precision.HIGH,) * 2,
+             BF16X3: lax.DotAlgorithmPreset.BF16_BF16_F32_X3}[mm_dtype]
         return lax.dot_general(a.astype(_F32), b.astype(_F32), (dims, ((), ())),
-                               precision=(p, p), preferred_element_type=_F32)
+                               precision=p, preferred_element_type=_F32)
     return lax.dot_general(a.astype(mm_dtype), b.astype(mm_dtype), (dims, ((), ())),
                            preferred_element_type=_F32)
 
@@ -91,7 +96,8 @@ def _col_factor(G: jax.Array, mid: jax.Array) -> jax.Array:
     return jnp.exp(jnp.minimum(mid - G, CLAMP))
 
 
-def _row_block(M: jax.Array, i: int) -> jax.Array:
+def row_block(M: jax.Array, i: int) -> jax.Array:
+    """``M`` with the rows outside sub-chunk ``i`` zeroed."""
     return jnp.where(_block_of(_iota(M.shape, 0)) == i, M, 0.0)
 
 
@@ -109,7 +115,7 @@ def pair_scores_many(xs, y, G, mm_dtype) -> list[jax.Array]:
     for i, mid in enumerate(mids):
         yc = y * _col_factor(G, mid)
         for n, xr in enumerate(xrs):
-            p = _row_block(dot(xr, yc, mm_dtype, trans_b=True), i)
+            p = row_block(dot(xr, yc, mm_dtype, trans_b=True), i)
             outs[n] = p if outs[n] is None else outs[n] + p
     return outs
 
@@ -213,7 +219,7 @@ def key_grads(qs, k, g, beta, A, W, sums: dict, mm_dtype):
     causal, strict = causal_masks()
     dL, dAqk = jnp.where(strict, dL, 0.0), jnp.where(causal, sums["dAqk"], 0.0)
     dqs, dk, dg, dbeta = key_grads_from_sums(
-        qs, k, g, beta, lambda i: _row_block(dL, i), lambda i: _row_block(dAqk, i),
+        qs, k, g, beta, lambda i: row_block(dL, i), lambda i: row_block(dAqk, i),
         lambda: (yw, sums["dQg"], sums["dKd"], sums["dgl"]), mm_dtype)
     return dqs, dk, dg, sums["dbeta"] + dbeta
 

@@ -8,6 +8,8 @@ kda.md sections 2.1 / 2.4.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -37,37 +39,32 @@ def matmul_dtypes(v: jax.Array) -> tuple[jnp.dtype, jnp.dtype]:
     return (_F32, _F32) if v.dtype == _F32 else (jnp.bfloat16, v.dtype)
 
 
-def unit_lower_inverse(L, precision=_F32):
+def unit_lower_inverse(L, mm_dtype=_F32):
     """X = (I + L)^{-1} from the 16x16 blocks L[i, j] (j <= i) of a strictly lower L, in fp32.
 
     Diagonal blocks: the exact Neumann product (I - L)(I + L^2)(I + L^4)(I + L^8) (L nilpotent of
     order 16); below them block forward substitution X_ij = -X_ii sum_{j<=m<i} L_im X_mj.
-    ``precision``: the products' mode, IEEE fp32 (``jnp.float32``) or
-    ``lax.DotAlgorithmPreset.BF16_BF16_F32_X3`` (three bf16 tensor-core products per fp32 one,
-    ~1e-5 relative: for an X that is rounded to bf16 afterwards).
+    ``mm_dtype``: the products' ``chunk_math.dot`` mode, IEEE fp32 or ``BF16X3`` (for an X that
+    is rounded to bf16 afterwards).
     """
-    def _dot32(a, b):
-        if precision == _F32:
-            return _dot(a, b, _F32)
-        return lax.dot(a, b, precision=precision, preferred_element_type=_F32)
-
+    mm = functools.partial(_dot, mm_dtype=mm_dtype)
     eye = jnp.eye(BC, dtype=_F32)
     X = {}
     for i in range(NC):
         Ld = L[i, i]
         P = eye - Ld
-        Lp = _dot32(Ld, Ld)
-        P = _dot32(P, eye + Lp)
-        Lp = _dot32(Lp, Lp)
-        P = _dot32(P, eye + Lp)
-        Lp = _dot32(Lp, Lp)
-        X[i, i] = _dot32(P, eye + Lp)
+        Lp = mm(Ld, Ld)
+        P = mm(P, eye + Lp)
+        Lp = mm(Lp, Lp)
+        P = mm(P, eye + Lp)
+        Lp = mm(Lp, Lp)
+        X[i, i] = mm(P, eye + Lp)
     for i in range(1, NC):
         for j in range(i):
-            acc = _dot32(L[i, j], X[j, j])
+            acc = mm(L[i, j], X[j, j])
             for m in range(j + 1, i):
-                acc = acc + _dot32(L[i, m], X[m, j])
-            X[i, j] = -_dot32(X[i, i], acc)
+                acc = acc + mm(L[i, m], X[m, j])
+            X[i, j] = -mm(X[i, i], acc)
     return X
 
 

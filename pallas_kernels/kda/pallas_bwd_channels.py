@@ -18,10 +18,9 @@ the block version was removed, as was an earlier per-chunk key side over all 128
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_math import BC, C, causal_masks, dot, key_grads_from_sums
+from pallas_kernels.kda.chunk_math import C, causal_masks, dot, key_grads_from_sums, row_block
 
 _F32 = jnp.float32
 
@@ -35,10 +34,9 @@ def channel_grads_kernel(q_ref, k_ref, g_ref, b_ref, hs_ref, dhs_ref, do_ref, vn
     ts = pl.ds(c * C, C)
     ks = pl.ds(kb * bk, bk)
     causal, strict = causal_masks()
-    block = lax.broadcasted_iota(jnp.int32, (C, C), 0) // BC
 
     def rows(ref, mask):
-        return lambda i: jnp.where(mask & (block == i), ref[b, ts, h, :], 0.0)
+        return lambda i: row_block(jnp.where(mask, ref[b, ts, h, :], 0.0), i)
 
     def v_sums():
         hk = hs_ref[b, c, h, ks, :]  # [bk, V]: this block's rows of the chunk's input state

@@ -25,10 +25,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_math import BC, C, NC, causal_masks, dot, pair_scores_many, row
+from pallas_kernels.kda.chunk_math import (
+    BC, BF16X3, C, NC, causal_masks, dot, pair_scores_many, row,
+)
 from pallas_kernels.kda.intra_blocks import activations, matmul_dtypes, store_row, unit_lower_inverse
 
 _F32 = jnp.float32
@@ -60,14 +61,14 @@ def _pairs_kernel(q_ref, k_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, low
     a_ref[b, ts, h, :] = jnp.where(causal, p_qk, 0.0).astype(a_ref.dtype)
 
 
-def _inverse_kernel(l_ref, x_ref, *, precision):
+def _inverse_kernel(l_ref, x_ref, *, mm_dtype):
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t0 = c * C
     L = {
         (i, j): l_ref[b, pl.ds(t0 + i * BC, BC), h, pl.ds(j * BC, BC)]
         for i in range(NC) for j in range(i + 1)
     }
-    X = unit_lower_inverse(L, precision)
+    X = unit_lower_inverse(L, mm_dtype)
     for i in range(NC):
         store_row(x_ref, b, pl.ds(t0 + i * BC, BC), h, [X[i, j] for j in range(i + 1)])
 
@@ -109,16 +110,16 @@ def intra_pairs(ins, *, scale, fused, lower_bound, interpret, params):
     )(q, k, g, beta, *ins[5:])
 
 
-def chunk_inverses(L, dtype, *, interpret, params, precision=None):
+def chunk_inverses(L, dtype, *, interpret, params, mm_dtype=None):
     """``X = (I + L)^{-1}`` of every chunk's strictly lower ``L`` [B, Tp, H, C], stored in
-    ``dtype`` (``_inverse_kernel``). ``precision`` of its 16x16 products
-    (``intra_blocks.unit_lower_inverse``): by default IEEE fp32 for an fp32 X and three bf16
-    tensor-core products each for a bf16 one."""
+    ``dtype`` (``_inverse_kernel``). ``mm_dtype``: the ``chunk_math.dot`` mode of its 16x16
+    products; by default IEEE fp32 for an fp32 X and ``BF16X3`` (three bf16 tensor-core
+    products each) for a bf16 one."""
     B, Tp, H, _ = L.shape
-    if precision is None:
-        precision = _F32 if dtype == _F32 else lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+    if mm_dtype is None:
+        mm_dtype = _F32 if dtype == _F32 else BF16X3
     return pl.pallas_call(
-        functools.partial(_inverse_kernel, precision=precision),
+        functools.partial(_inverse_kernel, mm_dtype=mm_dtype),
         grid=(B, H, Tp // C),
         out_shape=jax.ShapeDtypeStruct(L.shape, dtype),
         interpret=interpret,

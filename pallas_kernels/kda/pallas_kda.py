@@ -236,11 +236,17 @@ def pallas_chunk_kda_fused_gate(
     if not LOWER_BOUND_MIN <= lower_bound < 0:
         raise ValueError(f"lower_bound: expected a value in [-5, 0), got {lower_bound}")
     H, K = q.shape[2], q.shape[3]
-    gate_scale = jnp.broadcast_to(jnp.exp(A_log.reshape(-1)[:H].astype(_F32))[:, None], (H, K))
-    dt = dt_bias.astype(_F32).reshape(H, K)
+    gate_scale, dt = gate_params(A_log, dt_bias, H, K)
     return _call(q, k, v, g_raw, beta_logits, gate_scale, dt, scale, initial_state, interpret,
                  True, float(lower_bound), block_v, num_warps, num_stages, intra_warps,
                  inverse_warps, cu_seqlens)
+
+
+def gate_params(A_log: jax.Array, dt_bias: jax.Array, H: int, K: int) -> tuple[jax.Array, jax.Array]:
+    """The fused gate's per-head inputs as the intra stage reads them: ``exp(A_log[h])``
+    broadcast to [H, K] (A_log [H] or K3's zero-padded [>= H]) and dt_bias as [H, K], fp32."""
+    gate_scale = jnp.broadcast_to(jnp.exp(A_log.reshape(-1)[:H].astype(_F32))[:, None], (H, K))
+    return gate_scale, dt_bias.astype(_F32).reshape(H, K)
 
 
 def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret, fused,

@@ -42,7 +42,9 @@ from pallas_kernels.kda.pallas_bwd_channels import channel_grads_kernel
 from pallas_kernels.kda.pallas_bwd_states import dstates_kernel, states_kernel
 from pallas_kernels.kda.pallas_bwd_value import chunk_sums_kernel
 from pallas_kernels.kda.pallas_intra import intra_stage
-from pallas_kernels.kda.pallas_kda import INVERSE_WARPS, compiler_params, matmul_dtypes
+from pallas_kernels.kda.pallas_kda import (
+    FEW_SEQUENCE_HEADS, INVERSE_WARPS, compiler_params, matmul_dtypes,
+)
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
@@ -54,8 +56,8 @@ _TUNING = ("interpret", "num_warps", "num_stages")
 def stage_parts(q, k, v, g, beta, *, scale, interpret, num_warps, num_stages):
     """Pass 1: ``(A, W, U, Aqk, Qg, Kd, gl)`` of every chunk.
 
-    The forward's own intra stage (``pallas_kda``'s ``intra="wide"`` kernels), so W, U, Aqk, Qg,
-    Kd are the forward's values bit for bit; A is the ``(I + L)^{-1}`` that its inverse kernel
+    The forward's own intra stage (``pallas_intra.intra_stage``), so W, U, Aqk, Qg, Kd are the
+    forward's values bit for bit; A is the ``(I + L)^{-1}`` that its inverse kernel
     already writes.
     """
     A, W, U, qg, kd, aqk, gl = intra_stage(
@@ -148,9 +150,6 @@ def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_
     out = stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, scale=scale,
                       block_k=grads_block_k, **{**tuning, "num_warps": grads_warps})
     return (*out, ds0)
-
-
-FEW_SEQUENCE_HEADS = 128  # as the forward's tile choice (pallas_kda.default_block_v)
 
 
 def default_block_v(sequence_heads: int) -> int:

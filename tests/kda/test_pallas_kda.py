@@ -105,7 +105,7 @@ def test_bf16_inputs_match_reference(T: int) -> None:
 def test_block_inverse() -> None:
     """``unit_lower_inverse`` (16x16 blocks, IEEE fp32 products) against numpy's inverse of
     I + L, for an L like the kernel's (strictly lower, entries of beta k_r . k_i e^{G_r - G_i}: at
-    most 1 in size). Its bf16 tensor-core mode (``BF16_BF16_F32_X3``, for a bf16 X) is split into
+    most 1 in size). Its bf16 tensor-core mode (``chunk_math.BF16X3``, for a bf16 X) is split into
     bf16 products by the Triton lowering only: XLA on CPU computes that preset in fp32, so its
     precision is checked on the GPU (``benchmarks/kda_pallas_h200.py``: o within 4.02e-3 of the
     fp32 reference with it, as with IEEE products)."""
