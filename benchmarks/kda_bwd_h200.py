@@ -256,18 +256,20 @@ def run_jax():
             lambda *a: pallas_chunk_kda(*a[:5], scale=scale, initial_state=a[5])), args[:6]))
         attempt(r, "ours_bwd_ms", lambda: bench(
             jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale)), args))
-        for nw, gw, gbk in variants:
-            tag = f"ours_bwd_w{nw}_gw{gw}_gbk{gbk}"
-            attempt(r, f"{tag}_ms", lambda nw=nw, gw=gw, gbk=gbk: bench(
-                jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale, num_warps=nw,
-                                                           grads_warps=gw, grads_block_k=gbk)),
+        for nw, gw, gbk, ns in variants:
+            tag = f"ours_bwd_w{nw}_gw{gw}_gbk{gbk}_s{ns}"
+            attempt(r, f"{tag}_ms", lambda nw=nw, gw=gw, gbk=gbk, ns=ns: bench(
+                jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(
+                    *a, scale=scale, num_warps=nw, grads_warps=gw, grads_block_k=gbk,
+                    num_stages=ns)),
                 args), budget=240)
             save(res, out)
         save(res, out)
 
     if not stages_only:  # the default first, then the candidates
-        # (num_warps, grads_warps, grads_block_k)
-        variants = ((8, 4, 32),)  # 2 warps and 16 / 64 channels: slower (benchmarks/RESULTS.md)
+        # (num_warps, grads_warps, grads_block_k, num_stages); 2 warps and 16 / 64 channels were
+        # slower (benchmarks/RESULTS.md); 2 stages pipeline the state passes' chunk loads
+        variants = ((8, 4, 32, 1), (8, 4, 32, 2))
         essentials(*SHAPES[0], variants)
         essentials(*SHAPES[1], variants)
     for shape in SHAPES:
@@ -301,7 +303,7 @@ def run_jax():
             save(res, out)
 
     # (shape, grads (block_k, warps, stages), parts (warps, stages), states (block_v, warps))
-    grads = ((32, 4, 1), (16, 4, 1), (32, 8, 1))
+    grads = ((32, 4, 1),)  # 16 channels and 8 warps: slower (benchmarks/RESULTS.md)
     sweeps = [
         (SHAPES[0], grads, ((8, 1),), ((128, 8),)),
         (SHAPES[1], grads, ((8, 1),), ((32, 8),)),

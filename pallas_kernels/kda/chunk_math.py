@@ -91,9 +91,9 @@ def _midpoints(G: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
     return g_mid, mids
 
 
-def _col_factor(G: jax.Array, mid: jax.Array) -> jax.Array:
+def _col_factor(G: jax.Array, mid: jax.Array, exp=jnp.exp, clamp: float = CLAMP) -> jax.Array:
     """``exp(min(G_m - G_i, 40))`` [C, K]: finite also for the masked columns ``i > r``."""
-    return jnp.exp(jnp.minimum(mid - G, CLAMP))
+    return exp(jnp.minimum(mid - G, clamp))
 
 
 def row_block(M: jax.Array, i: int) -> jax.Array:
@@ -106,21 +106,24 @@ def pair_scores(x, y, G, mm_dtype) -> jax.Array:
     return pair_scores_many((x,), y, G, mm_dtype)[0]
 
 
-def pair_scores_many(xs, y, G, mm_dtype) -> list[jax.Array]:
-    """``[pair_scores(x, y, G) for x in xs]`` making each sub-chunk's column factor once."""
+def pair_scores_many(xs, y, G, mm_dtype, exp=jnp.exp, clamp: float = CLAMP) -> list[jax.Array]:
+    """``[pair_scores(x, y, G) for x in xs]`` making each sub-chunk's column factor once.
+    A kernel may keep ``G`` in another unit and pass the matching ``exp`` and ``clamp``
+    (``intra_blocks.gate_exp``)."""
     g_mid, mids = _midpoints(G)
-    rf = jnp.exp(G - g_mid)
+    rf = exp(G - g_mid)
     xrs = [x * rf for x in xs]
     outs = [None] * len(xs)
     for i, mid in enumerate(mids):
-        yc = y * _col_factor(G, mid)
+        yc = y * _col_factor(G, mid, exp, clamp)
         for n, xr in enumerate(xrs):
             p = row_block(dot(xr, yc, mm_dtype, trans_b=True), i)
             outs[n] = p if outs[n] is None else outs[n] + p
     return outs
 
 
-def pair_grads(dL_rows, dAqk_rows, k, bk, qs, G, mm_dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+def pair_grads(dL_rows, dAqk_rows, k, bk, qs, G, mm_dtype, exp=jnp.exp,
+               clamp: float = CLAMP) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Back through ``L = b_r P(k, k)`` and ``Aqk = P(qs, k)`` (lower-triangular dL, dAqk, given
     by row block: ``dL_rows(i)`` is dL with the rows outside sub-chunk i zeroed, [C, C]).
 
@@ -128,13 +131,14 @@ def pair_grads(dL_rows, dAqk_rows, k, bk, qs, G, mm_dtype) -> tuple[jax.Array, j
     without b_r), ``rq`` the same with dAqk, and the column side of both,
     ``c[i] = sum_r (dL[r, i] b_r k_r + dAqk[r, i] qs_r) e^{G_r - G_i}``. One column factor and
     one row block of dL and dAqk at a time, so that a kernel can load each block when needed.
+    ``exp``, ``clamp``: as in ``pair_scores_many``.
     """
     g_mid, mids = _midpoints(G)
-    rf = jnp.exp(G - g_mid)
+    rf = exp(G - g_mid)
     bkr, qsr = bk * rf, qs * rf
     rk = rq = c = None
     for i, mid in enumerate(mids):
-        cf = _col_factor(G, mid)
+        cf = _col_factor(G, mid, exp, clamp)
         kc = k * cf
         mL, mA = dL_rows(i), dAqk_rows(i)
         prk, prq = dot(mL, kc, mm_dtype), dot(mA, kc, mm_dtype)
@@ -224,7 +228,8 @@ def key_grads(qs, k, g, beta, A, W, sums: dict, mm_dtype):
     return dqs, dk, dg, sums["dbeta"] + dbeta
 
 
-def key_grads_from_sums(qs, k, g, beta, dL_rows, dAqk_rows, v_sums, mm_dtype):
+def key_grads_from_sums(qs, k, g, beta, dL_rows, dAqk_rows, v_sums, mm_dtype, unit: float = 1.0,
+                        exp=jnp.exp):
     """``(dqs, dk, dg, dbeta)`` of one chunk, or of a block of its key channels (every term is
     per channel except dbeta's sum over them), from the chunk's masked ``dL``, ``dAqk`` by row
     block (as ``pair_grads`` takes them) and ``v_sums() = (yw, dQg, dKd, dgl)``: ``yw = A^T dW``
@@ -232,17 +237,19 @@ def key_grads_from_sums(qs, k, g, beta, dL_rows, dAqk_rows, v_sums, mm_dtype):
     called after the pair terms, so that a kernel forms those products only then.
 
     ``g`` enters through ``G = cumsum(g)``, so ``dg`` is the reverse cumsum of ``dG`` plus
-    ``dG_last`` on every row.
+    ``dG_last`` on every row. A kernel may keep ``G`` in another ``unit`` with the matching
+    ``exp`` (``intra_blocks.gate_exp``); the gradients stay those of natural log-decays.
     """
-    G = jnp.cumsum(g, axis=0)
+    G = jnp.cumsum(g * unit if unit != 1.0 else g, axis=0)
     G_last = row(G, C - 1)
     b = beta[:, None]
 
     # L = b_r P(k, k): its row side taken with dL (gives dbeta), column side with b_r dL.
-    rk, rq, c = pair_grads(dL_rows, dAqk_rows, k, b * k, qs, G, pair_dtype(mm_dtype))
+    rk, rq, c = pair_grads(dL_rows, dAqk_rows, k, b * k, qs, G, pair_dtype(mm_dtype), exp,
+                           CLAMP * unit)
     yw, dQg, dKd, dgl = v_sums()
-    eg = jnp.exp(G)
-    ed = jnp.exp(G_last - G)
+    eg = exp(G)
+    ed = exp(G_last - G)
     kg = k * eg
     dbeta = jnp.sum(yw * kg, axis=1) + jnp.sum(k * rk, axis=1)
 
@@ -250,7 +257,7 @@ def key_grads_from_sums(qs, k, g, beta, dL_rows, dAqk_rows, v_sums, mm_dtype):
     dk = b * rk + c + b * yw * eg + dKd * ed
     kd = k * ed
     dG = qs * dqs + b * k * rk - k * c + b * yw * kg - dKd * kd
-    dG_last = jnp.sum(dKd * kd, axis=0)[None, :] + dgl * jnp.exp(G_last)
+    dG_last = jnp.sum(dKd * kd, axis=0)[None, :] + dgl * exp(G_last)
     dg = jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG + dG_last
     return dqs, dk, dg, dbeta
 

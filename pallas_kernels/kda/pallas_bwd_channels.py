@@ -21,15 +21,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C, causal_masks, dot, key_grads_from_sums, row_block
+from pallas_kernels.kda.intra_blocks import gate_exp
 
 _F32 = jnp.float32
 
 
 def channel_grads_kernel(q_ref, k_ref, g_ref, b_ref, hs_ref, dhs_ref, do_ref, vn_ref, yu_ref,
                          dl_ref, daqk_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, scale, mm_dtype,
-                         bk):
+                         bk, approx):
     """Each row block of dL and dAqk is loaded when its products need it and the V sums are
-    formed after the pair terms, which keeps fewer tiles live at once."""
+    formed after the pair terms, which keeps fewer tiles live at once. ``approx``: the hardware
+    exp2 (``intra_blocks.gate_exp``), for bf16 inputs on GPU."""
     b, h, c, kb = (pl.program_id(i) for i in range(4))
     ts = pl.ds(c * C, C)
     ks = pl.ds(kb * bk, bk)
@@ -51,7 +53,7 @@ def channel_grads_kernel(q_ref, k_ref, g_ref, b_ref, hs_ref, dhs_ref, do_ref, vn
     dqs, dk, dg, dbeta = key_grads_from_sums(
         q_ref[b, ts, h, ks].astype(_F32) * scale, k_ref[b, ts, h, ks].astype(_F32),
         g_ref[b, ts, h, ks].astype(_F32), b_ref[b, ts, h].astype(_F32),
-        rows(dl_ref, strict), rows(daqk_ref, causal), v_sums, mm_dtype)
+        rows(dl_ref, strict), rows(daqk_ref, causal), v_sums, mm_dtype, *gate_exp(approx))
     dq_ref[b, ts, h, ks] = (dqs * scale).astype(dq_ref.dtype)
     dk_ref[b, ts, h, ks] = dk.astype(dk_ref.dtype)
     dg_ref[b, ts, h, ks] = dg.astype(dg_ref.dtype)

@@ -28,35 +28,40 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import (
-    BC, BF16X3, C, NC, causal_masks, dot, pair_scores_many, row,
+    BC, BF16X3, C, CLAMP, NC, causal_masks, dot, pair_scores_many, row,
 )
-from pallas_kernels.kda.intra_blocks import activations, matmul_dtypes, store_row, unit_lower_inverse
+from pallas_kernels.kda.intra_blocks import (
+    activations, gate_exp, matmul_dtypes, store_row, unit_lower_inverse,
+)
 
 _F32 = jnp.float32
 
 
-def _pairs_kernel(q_ref, k_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, lower_bound):
+def _pairs_kernel(q_ref, k_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, lower_bound,
+                  approx):
     gs_ref, db_ref, rest = (*rest[:2], rest[2:]) if fused else (None, None, rest)
     l_ref, bk_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ts = pl.ds(c * C, C)
     sd = qg_ref.dtype
-    gate, l2, beta_of = activations(fused, lower_bound, gs_ref, db_ref, h)
+    # with ``approx`` G is in units of ln 2 and ``exp`` is the hardware exp2 (``gate_exp``)
+    unit, exp = gate_exp(approx)
+    gate, l2, beta_of = activations(fused, lower_bound, gs_ref, db_ref, h, approx)
 
     G = jnp.cumsum(gate(g_ref[b, ts, h, :]), axis=0)
     # G_last is G's own last row, so the last row of Kd = k e^{G_last - G} is exactly k.
     G_last = row(G, C - 1)
-    gl_ref[b, pl.ds(c, 1), h, :] = jnp.exp(G_last)
-    eg = jnp.exp(G)
+    gl_ref[b, pl.ds(c, 1), h, :] = exp(G_last)
+    eg = exp(G)
     k = l2(k_ref[b, ts, h, :])
     beta = beta_of(b_ref[b, ts, h])[:, None]
-    kd_ref[b, ts, h, :] = (k * jnp.exp(G_last - G)).astype(sd)
+    kd_ref[b, ts, h, :] = (k * exp(G_last - G)).astype(sd)
     bk_ref[b, ts, h, :] = (beta * k * eg).astype(sd)
     qs = l2(q_ref[b, ts, h, :]) * scale
     qg_ref[b, ts, h, :] = (qs * eg).astype(sd)
 
     causal, strict = causal_masks()
-    p_kk, p_qk = pair_scores_many((k, qs), k, G, mm_dtype)
+    p_kk, p_qk = pair_scores_many((k, qs), k, G, mm_dtype, exp, CLAMP * unit)
     l_ref[b, ts, h, :] = jnp.where(strict, beta * p_kk, 0.0)
     a_ref[b, ts, h, :] = jnp.where(causal, p_qk, 0.0).astype(a_ref.dtype)
 
@@ -94,7 +99,7 @@ def intra_pairs(ins, *, scale, fused, lower_bound, interpret, params):
     sds = jax.ShapeDtypeStruct
     return pl.pallas_call(
         functools.partial(_pairs_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused,
-                          lower_bound=lower_bound),
+                          lower_bound=lower_bound, approx=not interpret and mm_dtype != _F32),
         grid=(B, H, n),
         out_shape=(
             sds((B, Tp, H, C), _F32),  # L, strictly lower

@@ -130,7 +130,8 @@ def stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, *, scale, block_k, in
         interpret=interpret, name="kda_bwd_grads_v_chunk", **params,
     )(A, beta, v, do, dvn, vn)
     dq, dk, dg, dbeta_k = pl.pallas_call(
-        functools.partial(channel_grads_kernel, scale=scale, mm_dtype=mm_dtype, bk=block_k),
+        functools.partial(channel_grads_kernel, scale=scale, mm_dtype=mm_dtype, bk=block_k,
+                          approx=not interpret and mm_dtype != _F32),
         grid=(B, H, n, K // block_k),
         out_shape=(sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype),
                    sds((B, K // block_k, Tp, H), _F32)),
