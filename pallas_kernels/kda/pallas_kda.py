@@ -46,7 +46,8 @@ Triton constraints: K, V and BV must be powers of two >= 16.
 Measured on one H200 (benchmarks/RESULTS.md): B4 T8192 H96 D128 bf16 9.68 ms with the fused
 activations (fla-core 9.95 ms in an earlier job on the same machine kind), B1 T32768 H16 3.32 ms
 (fla 2.28 ms, other job); bf16 error vs the fp32 reference equal to fla's. Defaults:
-``num_warps=8, num_stages=1``, ``default_block_v`` and ``INVERSE_WARPS``, the fastest measured.
+``num_warps=8``, ``PIPELINE_STAGES``, ``default_block_v`` and ``INVERSE_WARPS``, the fastest
+measured.
 Intra stages measured slower on the H200 and removed (benchmarks/RESULTS.md): one kernel over
 16-row sub-chunks ("v1", 13.5 ms at B4 T8192 H96), the same as two kernels ("split"), and the
 variants "lean", "blocks", "stream" and "kblock".
@@ -155,18 +156,23 @@ def _pallas_chunk_kda(
 
 INVERSE_WARPS = 1  # the intra stage's inverse kernel (16x16 blocks): one warp, fastest of 1, 2, 4
 FEW_SEQUENCE_HEADS = 128  # below this many (sequence, head) pairs, favour parallelism
+# Triton pipeline stages: only the inter kernel has a loop, and 2 stages prefetch the next chunk's
+# W, U, Qg, Kd, Aqk while the state update runs (B1 T32768 H16, block_v 64: 3.14 vs 3.22 ms; the
+# same 9.43 ms at B4 T8192 H96, benchmarks/RESULTS.md). 3 stages exceed the shared memory.
+PIPELINE_STAGES = 2
 
 
 def default_block_v(sequence_heads: int) -> int:
     """block_v measured fastest on an H200 (benchmarks/RESULTS.md).
 
     The inter kernel has one program per (sequence, head, V block), each walking all chunks, so
-    with few sequence-heads (B1 H16: 16 programs for 132 SMs) halving block_v doubles the
-    parallel programs: 3.32 vs 4.70 ms at B1 T32768 H16. With many (B4 H96) block_v 128 is
-    faster: 9.68 vs 10.41 ms. The threshold lies between those two measured points (16 and 384
-    sequence-heads) and is not itself measured; K3's batch-1 prefill (96 heads) falls below it.
+    with few sequence-heads (B1 H16: 16 programs for 132 SMs) narrower blocks give more parallel
+    programs: 2.61 ms at block_v 32 against 3.14 at 64 and 4.75 at 128 (B1 T32768 H16, two
+    pipeline stages). With many (B4 H96) block_v 128 is faster: 9.43 vs 9.82 (64) and 11.96 (32)
+    ms. The threshold lies between those two measured points (16 and 384 sequence-heads) and is
+    not itself measured; K3's batch-1 prefill (96 heads) falls below it.
     """
-    return 64 if sequence_heads < FEW_SEQUENCE_HEADS else 128
+    return 32 if sequence_heads < FEW_SEQUENCE_HEADS else 128
 
 
 def _default_interpret() -> bool:
@@ -186,7 +192,7 @@ def pallas_chunk_kda(
     interpret: bool | None = None,
     block_v: int | None = None,
     num_warps: int = 8,
-    num_stages: int = 1,
+    num_stages: int = PIPELINE_STAGES,
     intra_warps: int | None = None,
     inverse_warps: int = INVERSE_WARPS,
 ) -> tuple[jax.Array, jax.Array]:
@@ -220,7 +226,7 @@ def pallas_chunk_kda_fused_gate(
     interpret: bool | None = None,
     block_v: int | None = None,
     num_warps: int = 8,
-    num_stages: int = 1,
+    num_stages: int = PIPELINE_STAGES,
     intra_warps: int | None = None,
     inverse_warps: int = INVERSE_WARPS,
 ) -> tuple[jax.Array, jax.Array]:

@@ -43,7 +43,7 @@ from pallas_kernels.kda.pallas_bwd_states import dstates_kernel, states_kernel
 from pallas_kernels.kda.pallas_bwd_value import chunk_sums_kernel
 from pallas_kernels.kda.pallas_intra import intra_stage
 from pallas_kernels.kda.pallas_kda import (
-    FEW_SEQUENCE_HEADS, INVERSE_WARPS, compiler_params, matmul_dtypes,
+    FEW_SEQUENCE_HEADS, INVERSE_WARPS, PIPELINE_STAGES, compiler_params, matmul_dtypes,
 )
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
@@ -178,7 +178,7 @@ def pallas_chunk_kda_bwd(
     block_v: int | None = None,
     grads_block_k: int = 32,
     num_warps: int = 8,
-    num_stages: int = 1,
+    num_stages: int = PIPELINE_STAGES,
     grads_warps: int = 4,
 ) -> tuple[jax.Array, ...]:
     """Gradients of ``pallas_chunk_kda``'s ``(o, final_state)`` (safe gate, fla conventions).
@@ -189,11 +189,13 @@ def pallas_chunk_kda_bwd(
     (the state gradient fp32). ``interpret`` defaults to True off GPU. ``block_v``: V columns per
     program of the two state recurrences (default ``default_block_v``); ``grads_block_k``: key
     channels per program of the gradient pass's key side (see ``stage_grads``; the whole K where
-    it does not divide K). ``num_warps`` (the recompute and the state passes) and
-    ``grads_warps`` (the gradient pass): the fastest measured on an H200 at B4 T8192 H96 and
-    B1 T32768 H16 (benchmarks/RESULTS.md): the whole backward 39.2 / 9.3 ms (the two shapes);
-    the gradient pass 27.5 / 4.56 ms at grads_warps 4 and grads_block_k 32, against 37.0 / 6.1
-    at 16 channels (and 37.5 / 6.2 at 8 warps, timed with an earlier form of the kernel).
+    it does not divide K). ``num_warps`` (the recompute and the state passes), ``grads_warps``
+    (the gradient pass) and ``num_stages`` (all; the state passes' chunk loops are the ones it
+    pipelines): the fastest measured on an H200 at B4 T8192 H96 and B1 T32768 H16
+    (benchmarks/RESULTS.md): the whole backward 36.0 / 7.8 ms (the two shapes) with 2 stages
+    against 37.5 / 8.9 with 1; the gradient pass 27.5 / 4.56 ms at grads_warps 4 and
+    grads_block_k 32, against 37.0 / 6.1 at 16 channels (and 37.5 / 6.2 at 8 warps, timed with
+    an earlier form of the kernel).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
