@@ -43,9 +43,10 @@ Triton-only primitives (only ref loads/stores with ``pl.ds``, ``jnp`` math, ``la
 so a port to Mosaic GPU / Mosaic TPU is a rewrite of the memory movement, not of the math.
 Triton constraints: K, V and BV must be powers of two >= 16.
 
-Measured on one H200 (benchmarks/RESULTS.md): B4 T8192 H96 D128 bf16 9.68 ms with the fused
-activations (fla-core 9.95 ms in an earlier job on the same machine kind), B1 T32768 H16 3.32 ms
-(fla 2.28 ms, other job); bf16 error vs the fp32 reference equal to fla's. Defaults:
+Measured on one H200 beside fla-core in the same job (benchmarks/RESULTS.md): B4 T8192 H96 D128
+bf16 9.43 ms with the fused activations (fla 9.95 ms), B1 T32768 H16 2.61 ms (fla 2.25 ms); bf16
+error vs the fp32 reference equal to fla's. bf16 inputs take the hardware exp2 / reciprocal
+(``intra_blocks.gate_exp``); fp32 inputs stay exact. Defaults:
 ``num_warps=8``, ``PIPELINE_STAGES``, ``default_block_v`` and ``INVERSE_WARPS``, the fastest
 measured.
 Intra stages measured slower on the H200 and removed (benchmarks/RESULTS.md): one kernel over
