@@ -32,13 +32,15 @@ CHECK = (1, 2048, 8)  # numerics case shared by both halves
 LB = -5.0
 D = 128
 CMP = "/tmp/kda_cmp.npz"
-# (block_v, num_warps, num_stages, inverse kernel's warps); warps and stages apply to every kernel
-# of the call but the intra stage's inverse. The defaults (`default_block_v`, `INVERSE_WARPS`) for
-# many / few sequence-heads first. KDA_CONFIGS="bv,warps,stages,inv;..." replaces the list for one
-# run.
-CONFIGS = [(128, 8, 1, 1), (64, 8, 1, 1)]
+# (block_v, num_warps, num_stages, inverse kernel's warps, split inter stage 0/1); warps and
+# stages apply to every kernel of the call but the intra stage's inverse. The defaults
+# (`default_block_v`, `PIPELINE_STAGES`, `INVERSE_WARPS`, the fused inter kernel) for many / few
+# sequence-heads first, then the split inter stage at few.
+# KDA_CONFIGS="bv,warps,stages,inv[,split];..." replaces the list for one run.
+CONFIGS = [(128, 8, 2, 1, 0), (32, 8, 2, 1, 0), (32, 8, 2, 1, 1), (16, 8, 2, 1, 1)]
 if os.environ.get("KDA_CONFIGS"):
-    CONFIGS = [tuple(int(x) for x in item.split(",")) for item in os.environ["KDA_CONFIGS"].split(";")]
+    CONFIGS = [(tuple(int(x) for x in item.split(",")) + (0,))[:5]
+               for item in os.environ["KDA_CONFIGS"].split(";")]
 # FLA_AUTOTUNE=dir: fla's autotune results kept there and copied to $OUT/fla_autotune; a later job
 # that carries that folder back as FLA_AUTOTUNE skips the search (torch_peer.keep_autotuning).
 FLA_AUTOTUNE = os.environ.get("FLA_AUTOTUNE")
@@ -171,13 +173,14 @@ def run_jax():
         args = (q, k, v, g, beta, A_log, dt_bias)
         name = f"B{B}_T{T}_H{H}"
         r = {}
-        for bv, nw, ns, iw in CONFIGS:
-            tag = f"ours_fused_bv{bv}_w{nw}_s{ns}_inv{iw}"
+        for bv, nw, ns, iw, split in CONFIGS:
+            tag = f"ours_fused_bv{bv}_w{nw}_s{ns}_inv{iw}" + ("_split" if split else "")
+            inter = "split" if split else "fused"
             try:
-                f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, iw=iw:
+                f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, iw=iw, inter=inter:
                             pallas_chunk_kda_fused_gate(q, k, v, g, b, a, d, lower_bound=LB,
                                                         block_v=bv, num_warps=nw, num_stages=ns,
-                                                        inverse_warps=iw))
+                                                        inverse_warps=iw, inter=inter))
                 ms = bench(f, args)
                 r[f"{tag}_ms"] = round(ms, 4)
             except Exception as e:

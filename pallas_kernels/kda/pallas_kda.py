@@ -18,6 +18,10 @@ Two stages:
 2. ``_inter_kernel``, grid ``(B, H, V / BV)``, sequential ``fori_loop`` over chunks keeping the
    fp32 state ``S [K, BV]`` on chip: ``v_new = U - W S``, ``o = Qg S + Aqk v_new``,
    ``S = gl * S + Kd^T v_new``. Output and final state written directly (no per-chunk states).
+   Or, with ``inter="split"``, the recurrence alone (``pallas_states.state_pass``, storing every
+   chunk's state and ``v_new``) and then ``o`` for all chunks in parallel: half the products in
+   the serial loop, for an HBM round trip of the states; a candidate for few sequence-heads,
+   where the serial loop is the critical path (not yet timed on the GPU).
 
 Packed sequences (``cu_seqlens``): the inputs are gathered into a chunk-aligned layout
 (``varlen_layout.py``: each sequence padded to whole chunks, at most ``N * (C - 1)`` extra
@@ -70,6 +74,7 @@ from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.chunk_math import dot as _dot
 from pallas_kernels.kda.intra_blocks import compiler_params, matmul_dtypes
 from pallas_kernels.kda.pallas_intra import intra_stage
+from pallas_kernels.kda.pallas_states import state_pass
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
@@ -106,6 +111,38 @@ def _inter_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
     ht_ref[s, h, :, vs] = S
 
 
+def _output_kernel(qg_ref, a_ref, hs_ref, vn_ref, o_ref, *, mm_dtype):
+    """The "split" inter stage's second kernel, parallel over chunks: ``o = Qg h + Aqk v_new``
+    from the chunk's stored input state ``h`` and ``v_new`` (both in the dtype that the fused
+    kernel's products round them to, so the two stages give the same o)."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ts = pl.ds(c * C, C)
+    o = _dot(qg_ref[b, ts, h, :], hs_ref[b, c, h, :, :], mm_dtype) + _dot(
+        a_ref[b, ts, h, :], vn_ref[b, ts, h, :], mm_dtype)
+    o_ref[b, ts, h, :] = o.astype(o_ref.dtype)
+
+
+def _inter_split(w, u, qg, kd, aqk, gl, h0, chunk_offsets, *, block_v, out_dtype, interpret,
+                 params):
+    """``(o, final state)`` in two kernels: the state recurrence alone (``pallas_states``), which
+    stores every chunk's input state, then ``_output_kernel`` over all chunks at once. The serial
+    loop then makes two products per chunk instead of four, for an HBM round trip of the
+    states."""
+    mm_dtype, sd = matmul_dtypes(u)
+    hs, vn, ht = state_pass(w, u, kd, gl, h0, chunk_offsets, block_v=block_v, mm_dtype=mm_dtype,
+                            store_dtype=sd, interpret=interpret, params=params)
+    B, Tp, H, _ = qg.shape
+    o = pl.pallas_call(
+        functools.partial(_output_kernel, mm_dtype=mm_dtype),
+        grid=(B, H, Tp // C),
+        out_shape=jax.ShapeDtypeStruct(u.shape, out_dtype),
+        interpret=interpret,
+        name="kda_output",
+        **params,
+    )(qg, aqk, hs, vn)
+    return o, ht
+
+
 def _is_pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
@@ -114,12 +151,13 @@ def _is_pow2(n: int) -> bool:
     jax.jit,
     static_argnames=(
         "scale", "interpret", "fused", "lower_bound", "block_v", "num_warps", "num_stages",
-        "intra_warps", "inverse_warps",
+        "intra_warps", "inverse_warps", "inter",
     ),
 )
 def _pallas_chunk_kda(
     q, k, v, g, beta, initial_state, gate_scale, dt_bias, chunk_offsets=None, *, scale,
     interpret, fused, lower_bound, block_v, num_warps, num_stages, intra_warps, inverse_warps,
+    inter,
 ):
     """``chunk_offsets`` (int32 [N + 1], traced) marks a chunk-aligned packed batch (B == 1)."""
     B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
@@ -136,13 +174,13 @@ def _pallas_chunk_kda(
         inverse_params=compiler_params(interpret, inverse_warps, num_stages),
     )
 
+    if inter == "split":
+        return _inter_split(w, u, qg, kd, aqk, gl, initial_state, chunk_offsets, block_v=bv,
+                            out_dtype=v.dtype, interpret=interpret, params=params)
     varlen = chunk_offsets is not None
     n_seq = initial_state.shape[0]
-    inter = functools.partial(
-        _inter_kernel, n_chunks=n, bv=bv, mm_dtype=mm_dtype, varlen=varlen
-    )
     o, ht = pl.pallas_call(
-        inter,
+        functools.partial(_inter_kernel, n_chunks=n, bv=bv, mm_dtype=mm_dtype, varlen=varlen),
         grid=(n_seq, H, V // bv),
         out_shape=(
             jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype),
@@ -196,6 +234,7 @@ def pallas_chunk_kda(
     num_stages: int = PIPELINE_STAGES,
     intra_warps: int | None = None,
     inverse_warps: int = INVERSE_WARPS,
+    inter: str = "fused",
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked KDA forward (safe gate, pre-activated inputs; fla conventions).
 
@@ -205,10 +244,14 @@ def pallas_chunk_kda(
     ``cu_seqlens``: host int offsets [N + 1] of packed sequences (B == 1); then initial_state
     and the final state are [N, H, K, V] and no state crosses a sequence boundary.
     ``intra_warps``: num_warps of the intra stage's pair and W/U kernels (default ``num_warps``);
-    ``inverse_warps``: num_warps of its 16x16-block inverse kernel.
+    ``inverse_warps``: num_warps of its 16x16-block inverse kernel. ``inter``: ``"fused"``, one
+    sequential kernel that also forms o, or ``"split"``, the state recurrence alone with every
+    chunk's state stored, then o for all chunks in parallel (``_inter_split``; a candidate for
+    few sequence-heads, not yet timed on the GPU).
     """
     return _call(q, k, v, g, beta, None, None, scale, initial_state, interpret, False, 0.0,
-                 block_v, num_warps, num_stages, intra_warps, inverse_warps, cu_seqlens)
+                 cu_seqlens, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
+                 intra_warps=intra_warps, inverse_warps=inverse_warps, inter=inter)
 
 
 def pallas_chunk_kda_fused_gate(
@@ -230,6 +273,7 @@ def pallas_chunk_kda_fused_gate(
     num_stages: int = PIPELINE_STAGES,
     intra_warps: int | None = None,
     inverse_warps: int = INVERSE_WARPS,
+    inter: str = "fused",
 ) -> tuple[jax.Array, jax.Array]:
     """As ``pallas_chunk_kda`` with K3's input activations fused into the intra stage.
 
@@ -245,8 +289,9 @@ def pallas_chunk_kda_fused_gate(
     H, K = q.shape[2], q.shape[3]
     gate_scale, dt = gate_params(A_log, dt_bias, H, K)
     return _call(q, k, v, g_raw, beta_logits, gate_scale, dt, scale, initial_state, interpret,
-                 True, float(lower_bound), block_v, num_warps, num_stages, intra_warps,
-                 inverse_warps, cu_seqlens)
+                 True, float(lower_bound), cu_seqlens, block_v=block_v, num_warps=num_warps,
+                 num_stages=num_stages, intra_warps=intra_warps, inverse_warps=inverse_warps,
+                 inter=inter)
 
 
 def gate_params(A_log: jax.Array, dt_bias: jax.Array, H: int, K: int) -> tuple[jax.Array, jax.Array]:
@@ -256,9 +301,12 @@ def gate_params(A_log: jax.Array, dt_bias: jax.Array, H: int, K: int) -> tuple[j
     return gate_scale, dt_bias.astype(_F32).reshape(H, K)
 
 
+INTER_STAGES = ("fused", "split")
+
+
 def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret, fused,
-          lower_bound, block_v, num_warps, num_stages, intra_warps, inverse_warps,
-          cu_seqlens):
+          lower_bound, cu_seqlens, *, block_v, num_warps, num_stages, intra_warps,
+          inverse_warps, inter):
     B, T, H, K = q.shape
     V = v.shape[-1]
     if interpret is None:
@@ -273,6 +321,8 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
     block_v = default_block_v(n_seq * H) if block_v is None else block_v
     if not _is_pow2(block_v) or block_v < 16:
         raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
+    if inter not in INTER_STAGES:
+        raise ValueError(f"inter: expected one of {INTER_STAGES}, got {inter!r}")
     scale = K**-0.5 if scale is None else float(scale)
     # Padding steps are identities: k = v = 0, beta = 0 and g = 0; with the fused activations the
     # gate and beta pre-activations are padded with -inf (sigmoid(-inf) = 0). Padding happens
@@ -282,7 +332,7 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         scale=scale, interpret=bool(interpret), fused=fused, lower_bound=lower_bound,
         block_v=block_v if V % block_v == 0 else V, num_warps=num_warps, num_stages=num_stages,
         intra_warps=num_warps if intra_warps is None else intra_warps,
-        inverse_warps=inverse_warps,
+        inverse_warps=inverse_warps, inter=inter,
     )
     if cu_seqlens is not None:
         return _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens,

@@ -1,7 +1,7 @@
 """Analytic backward of the safe-gate chunked KDA as Pallas kernels (Triton lowering on GPU).
 
 The same three passes as ``chunk_backward.py``, as ``pl.pallas_call``s (this file: the wrappers and
-the entry point; kernel bodies in ``pallas_bwd_states.py``, ``pallas_bwd_value.py``,
+the entry point; kernel bodies in ``pallas_states.py``, ``pallas_bwd_value.py``,
 ``pallas_bwd_channels.py``):
 
 1. ``stage_parts``, grid ``(B, H, N)``, parallel: recompute the chunk's A = (I + L)^{-1}, W, U,
@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.pallas_bwd_channels import channel_grads_kernel
-from pallas_kernels.kda.pallas_bwd_states import dstates_kernel, states_kernel
+from pallas_kernels.kda.pallas_states import dstates_kernel, state_pass
 from pallas_kernels.kda.pallas_bwd_value import chunk_sums_kernel
 from pallas_kernels.kda.pallas_intra import intra_stage
 from pallas_kernels.kda.pallas_kda import (
@@ -74,18 +74,11 @@ def stage_states(W, U, kd, gl, h0, chunk_offsets=None, *, block_v, interpret, nu
     """Pass 2a: every chunk's input state ``h`` ``[B, N, H, K, V]`` and ``v_new = U - W h``
     ``[B, Tp, H, V]`` (formed here anyway; the value sums read it). ``chunk_offsets`` (int32
     ``[S + 1]``) marks a chunk-aligned packed batch (B == 1) of S sequences with states h0[s]."""
-    B, Tp, H, K = W.shape
-    V, n = U.shape[-1], Tp // C
     mm_dtype, sd = matmul_dtypes(U)
-    varlen = chunk_offsets is not None
-    return pl.pallas_call(
-        functools.partial(states_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype,
-                          varlen=varlen),
-        grid=(h0.shape[0], H, V // block_v),
-        out_shape=(jax.ShapeDtypeStruct((B, n, H, K, V), sd),
-                   jax.ShapeDtypeStruct((B, Tp, H, V), sd)),
-        interpret=interpret, name="kda_bwd_states", **compiler_params(interpret, num_warps, num_stages),
-    )(*((chunk_offsets,) if varlen else ()), W, U, kd, gl, h0)
+    hs, vn, _ = state_pass(W, U, kd, gl, h0, chunk_offsets, block_v=block_v, mm_dtype=mm_dtype,
+                           store_dtype=sd, interpret=interpret,
+                           params=compiler_params(interpret, num_warps, num_stages))
+    return hs, vn
 
 
 @functools.partial(jax.jit, static_argnames=("block_v",) + _TUNING)

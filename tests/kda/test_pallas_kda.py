@@ -102,6 +102,28 @@ def test_bf16_inputs_match_reference(T: int) -> None:
     assert rel(s, ref_s) <= 2e-2
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_split_inter_stage_equals_fused(dtype) -> None:
+    """The "split" inter stage (state recurrence, then o for all chunks) stores each chunk's state
+    and v_new in the dtype the fused kernel's products round them to, so both give the same o
+    and final state up to summation order (fp32: 1e-6; bf16: a few bf16 ulps, 1e-2)."""
+    x = make_inputs(150, seed=12)
+    q, k, v = (x[n].astype(dtype) for n in ("q", "k", "v"))
+    run = lambda inter: pallas_chunk_kda(  # noqa: E731
+        q, k, v, x["g"], x["beta"], initial_state=x["s0"], interpret=True, block_v=32,
+        inter=inter)
+    (o, s), (o_ref, s_ref) = run("split"), run("fused")
+    assert o.dtype == dtype and s.dtype == jnp.float32
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    assert rel(o.astype(jnp.float32), o_ref.astype(jnp.float32)) <= tol
+    assert rel(s, s_ref) <= tol
+    if dtype == jnp.float32:
+        ref_o, ref_s = _ref(x, x["s0"])
+        assert rel(o, ref_o) <= 1e-4 and rel(s, ref_s) <= 1e-4
+    with pytest.raises(ValueError, match=r"^inter: expected one of"):
+        pallas_chunk_kda(q, k, v, x["g"], x["beta"], interpret=True, inter="serial")
+
+
 def test_block_inverse() -> None:
     """``unit_lower_inverse`` (16x16 blocks, IEEE fp32 products) against numpy's inverse of
     I + L, for an L like the kernel's (strictly lower, entries of beta k_r . k_i e^{G_r - G_i}: at

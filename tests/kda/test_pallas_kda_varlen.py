@@ -54,6 +54,20 @@ def test_matches_reference(lens: tuple[int, ...]) -> None:
     assert rel(s, ref_s) <= 1e-5
 
 
+@pytest.mark.parametrize("lens", MIXES[:2])
+def test_split_inter_stage_matches_reference(lens: tuple[int, ...]) -> None:
+    """The split inter stage on packed sequences: per-sequence chunk ranges in the recurrence,
+    every chunk's o from its own stored state."""
+    x, cu = packed_inputs(lens, seed=sum(lens))
+    o, s = pallas_chunk_kda(*_args(x), initial_state=x["s0"], cu_seqlens=cu, interpret=True,
+                            inter="split")
+    ref_o, ref_s = chunked_kda(*_args(x), scale=K**-0.5, initial_state=x["s0"], cu_seqlens=cu)
+    assert o.shape == (1, cu[-1], H, V) and s.shape == (len(lens), H, K, V)
+    assert o.dtype == jnp.float32 and s.dtype == jnp.float32
+    assert rel(o, ref_o) <= 1e-5
+    assert rel(s, ref_s) <= 1e-5
+
+
 def test_equals_each_sequence_alone() -> None:
     """No state crosses a boundary: packed results are the per-sequence runs, to fp32 rounding."""
     lens = MIXES[0]
@@ -121,19 +135,20 @@ def test_validation() -> None:
         pallas_chunk_kda(*_args(x), initial_state=x["s0"][:1], cu_seqlens=cu, interpret=True)
 
 
-def test_lowers_to_triton_for_h200() -> None:
+@pytest.mark.parametrize("inter, kernels", [("fused", 4), ("split", 5)])
+def test_lowers_to_triton_for_h200(inter: str, kernels: int) -> None:
     """Cross-lowering for an abstract H200 on CPU: every kernel (the intra stage's pair, inverse
-    and W/U kernels, the inter kernel with its data-dependent chunk range) passes the Pallas ->
-    Triton IR step (no PTX compile)."""
+    and W/U kernels, the inter kernel with its data-dependent chunk range, or the split stage's
+    recurrence and output kernels) passes the Pallas -> Triton IR step (no PTX compile)."""
     f = jax.ShapeDtypeStruct
     T, cu = 200, np.array([0, 1, 70, 200])
     args = (f((1, T, H, K), jnp.bfloat16), f((1, T, H, K), jnp.bfloat16),
             f((1, T, H, V), jnp.bfloat16), f((1, T, H, K), jnp.float32), f((1, T, H), jnp.float32),
             f((3, H, K, V), jnp.float32))
     fn = lambda q, k, v, g, b, s0: pallas_chunk_kda(  # noqa: E731
-        q, k, v, g, b, initial_state=s0, cu_seqlens=cu, interpret=False)
+        q, k, v, g, b, initial_state=s0, cu_seqlens=cu, interpret=False, inter=inter)
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("stablehlo.custom_call @__gpu") == 4
+    assert text.count("stablehlo.custom_call @__gpu") == kernels

@@ -1,11 +1,12 @@
-"""The two state recurrences of the KDA backward, as Pallas kernel bodies (Triton lowering).
+"""The chunk-state recurrences of KDA as Pallas kernels (Triton lowering): the backward runs both,
+the forward's "split" inter stage the first.
 
 Grid ``(S, H, V / BV)``, one program per (sequence, head, V block), sequential over the chunks with
 the fp32 state ``[K, BV]`` on chip. V columns are independent in both recurrences, which is what
 allows the V split.
 
-``states_kernel``: the forward recurrence again, storing every chunk's input state ``h`` and
-``v_new``: ``v_new = U - W S``, ``S <- gl * S + Kd^T v_new``.
+``states_kernel``: the forward recurrence, storing every chunk's input state ``h``, ``v_new`` and
+the final state: ``v_new = U - W S``, ``S <- gl * S + Kd^T v_new``.
 ``dstates_kernel``: the reverse recurrence, ``dv_new = Aqk^T dO + Kd dS``, store ``dh = dS`` (the
 gradient of the state leaving the chunk), then ``dS <- gl * dS + Qg^T dO - W^T dv_new``; its last
 value is the initial state's gradient.
@@ -13,6 +14,9 @@ value is the initial state's gradient.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -34,7 +38,7 @@ def _sequence(refs: tuple, n_chunks: int, varlen: bool):
 
 def states_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
     refs, s, b, c0, c1 = _sequence(refs, n_chunks, varlen)
-    w_ref, u_ref, kd_ref, gl_ref, h0_ref, hs_ref, vn_ref = refs
+    w_ref, u_ref, kd_ref, gl_ref, h0_ref, hs_ref, vn_ref, ht_ref = refs
     h, iv = pl.program_id(1), pl.program_id(2)
     vs = pl.ds(iv * bv, bv)
 
@@ -46,7 +50,26 @@ def states_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
         gl = gl_ref[b, c, h, :]
         return gl[:, None] * S + dot(kd_ref[b, ts, h, :], v_new, mm_dtype, trans_a=True)
 
-    lax.fori_loop(c0, c1, body, h0_ref[s, h, :, vs])
+    ht_ref[s, h, :, vs] = lax.fori_loop(c0, c1, body, h0_ref[s, h, :, vs])
+
+
+def state_pass(W, U, kd, gl, h0, chunk_offsets, *, block_v, mm_dtype, store_dtype, interpret,
+               params):
+    """``(h [B, N, H, K, V] in store_dtype, v_new [B, Tp, H, V] in store_dtype, final state fp32
+    [S, H, K, V])`` by ``states_kernel``. ``chunk_offsets`` (int32 ``[S + 1]``) marks a
+    chunk-aligned packed batch (B == 1) of S sequences with states ``h0[s]``; None: S = B."""
+    B, Tp, H, K = W.shape
+    V, n = U.shape[-1], Tp // C
+    varlen = chunk_offsets is not None
+    sds = jax.ShapeDtypeStruct
+    return pl.pallas_call(
+        functools.partial(states_kernel, n_chunks=n, bv=block_v, mm_dtype=mm_dtype,
+                          varlen=varlen),
+        grid=(h0.shape[0], H, V // block_v),
+        out_shape=(sds((B, n, H, K, V), store_dtype), sds((B, Tp, H, V), store_dtype),
+                   sds(h0.shape, _F32)),
+        interpret=interpret, name="kda_states", **params,
+    )(*((chunk_offsets,) if varlen else ()), W, U, kd, gl, h0)
 
 
 def dstates_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
