@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import ptx_math
 from pallas_kernels.kda.chunk_math import BC, NC
 from pallas_kernels.kda.chunk_math import dot as _dot
 
@@ -68,27 +69,15 @@ def unit_lower_inverse(L, mm_dtype=_F32):
     return X
 
 
-LOG2E = 1.4426950408889634
-
-
-def _ptx_unary(instruction: str, x: jax.Array) -> jax.Array:
-    [y] = pl_triton.elementwise_inline_asm(
-        f"{instruction} $0, $1;", args=[x.astype(_F32)], constraints="=f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, _F32)])
-    return y
-
-
 def gate_exp(approx: bool):
     """``(unit, exp)``: the unit in which a kernel keeps its log-decays and the exponential of
     them. Exact: natural logs and ``jnp.exp`` (libdevice ``expf``, ~8 instructions). With
-    ``approx`` (GPU only): log-decays in units of ln 2 (the factor folded into the gate) and the
-    PTX ``ex2.approx.ftz.f32``, one instruction. Its relative error, 2 ulp plus ``|x| 2^-24``
-    from the log-decays' own rounding (below 6e-6 for ``|x| <= 128``; results under 2^-126 flush
-    to zero), is far below the bf16 rounding (2^-9) of everything it feeds, which is why only
-    the bf16 path uses it."""
+    ``approx`` (GPU only, the bf16 path): log-decays in units of ln 2 (the factor folded into the
+    gate) and ``ptx_math.exp2``, one instruction; its error adds ``|x| 2^-24`` from the
+    log-decays' own rounding (below 6e-6 for ``|x| <= 128``), far below bf16's 2^-9."""
     if not approx:
         return 1.0, jnp.exp
-    return LOG2E, functools.partial(_ptx_unary, "ex2.approx.ftz.f32")
+    return ptx_math.LOG2E, ptx_math.exp2
 
 
 def activations(fused: bool, lower_bound: float, gs_ref, db_ref, h, approx: bool = False):
@@ -103,11 +92,11 @@ def activations(fused: bool, lower_bound: float, gs_ref, db_ref, h, approx: bool
     gate_scale = gs_ref[h, :].astype(_F32)[None, :]
     dt_bias = db_ref[h, :].astype(_F32)[None, :]
     if approx:  # sigmoid(z) = 1 / (1 + 2^(-z log2 e)), the factor -log2 e folded into the scale
-        neg_scale2 = gate_scale * -LOG2E
-        rcp = functools.partial(_ptx_unary, "rcp.approx.ftz.f32")
+        neg_scale2 = gate_scale * -ptx_math.LOG2E
 
         def gate(g):
-            return (lower_bound * unit) * rcp(1.0 + exp(neg_scale2 * (g.astype(_F32) + dt_bias)))
+            return (lower_bound * unit) * ptx_math.reciprocal(
+                1.0 + exp(neg_scale2 * (g.astype(_F32) + dt_bias)))
     else:
         def gate(g):
             return lower_bound * jax.nn.sigmoid(gate_scale * (g.astype(_F32) + dt_bias))

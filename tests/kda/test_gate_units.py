@@ -14,16 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import ptx_math
 from pallas_kernels.kda import chunk_math, intra_blocks
 from pallas_kernels.kda.chunk_math import C, CLAMP, causal_masks, key_grads_from_sums, row_block
-
-_EXACT = {"ex2.approx.ftz.f32": lambda x: jnp.exp2(x), "rcp.approx.ftz.f32": lambda x: 1.0 / x}
-
 
 @pytest.fixture
 def exact_ptx(monkeypatch):
     """``gate_exp(True)`` and the approximate sigmoid with exact stand-ins for the PTX ops."""
-    monkeypatch.setattr(intra_blocks, "_ptx_unary", lambda instruction, x: _EXACT[instruction](x))
+    monkeypatch.setattr(ptx_math, "exp2", jnp.exp2)
+    monkeypatch.setattr(ptx_math, "reciprocal", lambda x: 1.0 / x)
 
 
 def rel(a, b) -> float:
@@ -51,13 +50,13 @@ def test_fused_gate_in_log2_units(exact_ptx) -> None:
     g_raw = jnp.asarray(3 * r.standard_normal((C, K)), jnp.float32)
     exact = intra_blocks.activations(True, -5.0, gate_scale, dt_bias, h, approx=False)[0](g_raw)
     log2 = intra_blocks.activations(True, -5.0, gate_scale, dt_bias, h, approx=True)[0](g_raw)
-    assert rel(log2, exact * intra_blocks.LOG2E) < 1e-6
+    assert rel(log2, exact * ptx_math.LOG2E) < 1e-6
 
 
 def test_pre_activated_gate_in_log2_units(exact_ptx) -> None:
     g = chunk()[2]
     log2 = intra_blocks.activations(False, 0.0, None, None, 0, approx=True)[0](g)
-    assert rel(log2, g * intra_blocks.LOG2E) < 1e-7
+    assert rel(log2, g * ptx_math.LOG2E) < 1e-7
 
 
 def test_pair_scores_in_log2_units(exact_ptx) -> None:
