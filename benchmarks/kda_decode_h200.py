@@ -5,7 +5,7 @@ The step is memory bound, so the figure of merit is the state read+write bandwid
 ``2 * N*H*K*V*4 bytes / time``. Run on the GPU machine:
 
     PYTHONPATH=. python3 benchmarks/kda_decode_h200.py jax      # ours + XLA reference
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site device_carry/wheels/*.whl
+    python3 -m pip install -q --no-deps --target /tmp/site fla_core-0.6.0-py3-none-any.whl
     PYTHONPATH=/tmp/site:. python3 benchmarks/kda_decode_h200.py torch   # fla peer (optional)
 
 Timings (jax): "loop" = a jitted ``lax.fori_loop`` of 50 steps carrying the state (kernel time,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
+import tarfile
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,28 +28,44 @@ def torch_situ(g, u):
             * K3_LINEAR_BETA * torch.tanh(u / K3_LINEAR_BETA)).to(torch.bfloat16)
 
 
-def keep_autotuning(cache_dir: str | None) -> None:
-    """Keep Triton's autotune results in ``cache_dir`` (call before the first kernel runs).
+# fla-core 0.6.0's autotune results for the KDA benchmarks' shapes on an H200 with triton 3.6 (the
+# GPU machine's versions): Triton keys each result by a hash of the kernel's source and constants,
+# so other versions simply miss them and autotune as before.
+TUNED_ARCHIVE = Path(__file__).with_name("peer_tuning") / "fla-0.6.0_triton-3.6_h200.tar.gz"
+
+
+def keep_autotuning(source: str | None) -> str | None:
+    """Keep Triton's autotune results in a cache folder (call before the first kernel runs) and
+    return that folder.
 
     fla autotunes every KDA kernel on its first call per shape key: 180-264 s at H=96 on an H200,
-    more than a device job can spare beside our half. With ``TRITON_CACHE_AUTOTUNING`` Triton
-    writes each kernel's timings to ``<cache_dir>/<key>/<kernel>.autotune.json`` and a later
-    process that finds them skips the search (it compiles only the chosen config).
-    ``export_autotuning`` copies those small files out so a later job can carry them back."""
-    if cache_dir:
-        os.environ["TRITON_CACHE_DIR"] = str(Path(cache_dir).resolve())
-        os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
+    more than a benchmark job can spare beside our half. With ``TRITON_CACHE_AUTOTUNING`` Triton
+    writes each kernel's timings to ``<cache>/<key>/<kernel>.autotune.json`` and a later process
+    that finds them skips the search (it compiles only the chosen config). ``source``: a cache
+    folder, or a ``.tar.gz`` of results (``export_autotuning``'s, or ``TUNED_ARCHIVE``), which is
+    unpacked into a fresh folder; None: nothing kept."""
+    if not source:
+        return None
+    cache = Path(source)
+    if cache.is_file():
+        folder = Path(tempfile.mkdtemp(prefix="fla_autotune_"))
+        with tarfile.open(cache) as archive:
+            archive.extractall(folder, filter="data")
+        cache = folder
+    cache.mkdir(parents=True, exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = str(cache.resolve())
+    os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
+    return str(cache)
 
 
-def export_autotuning(cache_dir: str | None, out_dir: str) -> int:
-    """Copy the ``*.autotune.json`` files of ``cache_dir`` (with their key folders) to
-    ``out_dir``; returns how many. The compiled kernels stay behind: they are large and are
-    rebuilt in seconds once the configs are known."""
+def export_autotuning(cache_dir: str | None, archive: str) -> int:
+    """Write the ``*.autotune.json`` files of ``cache_dir`` (with their key folders) to the
+    ``.tar.gz`` ``archive``; returns how many. The compiled kernels stay behind: they are large
+    and are rebuilt in seconds once the configs are known."""
     if not cache_dir or not Path(cache_dir).is_dir():
         return 0
     files = sorted(Path(cache_dir).glob("*/*.autotune.json"))
-    for f in files:
-        dest = Path(out_dir, f.parent.name, f.name)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(f, dest)
+    with tarfile.open(archive, "w:gz") as out:
+        for f in files:
+            out.add(f, arcname=f"{f.parent.name}/{f.name}")
     return len(files)
