@@ -289,11 +289,11 @@ def run_jax():
         for nw, ns in parts_cfgs:
             attempt(r, f"stage_parts_w{nw}_s{ns}_ms", lambda nw=nw, ns=ns: bench(
                 lambda *a: pb.stage_parts(*a, scale=scale, **tun(nw, ns)), (q, k, v, g, beta)))
-        for bv, nw in state_cfgs:
-            attempt(r, f"stage_states_bv{bv}_w{nw}_ms", lambda bv=bv, nw=nw: bench(
-                lambda *a: pb.stage_states(*a, block_v=bv, **tun(nw, 1)), (W, U, kd, gl, h0)))
-            attempt(r, f"stage_dstates_bv{bv}_w{nw}_ms", lambda bv=bv, nw=nw: bench(
-                lambda *a: pb.stage_dstates(*a, block_v=bv, **tun(nw, 1)),
+        for bv, nw, ns in state_cfgs:
+            attempt(r, f"stage_states_bv{bv}_w{nw}_s{ns}_ms", lambda bv=bv, nw=nw, ns=ns: bench(
+                lambda *a: pb.stage_states(*a, block_v=bv, **tun(nw, ns)), (W, U, kd, gl, h0)))
+            attempt(r, f"stage_dstates_bv{bv}_w{nw}_s{ns}_ms", lambda bv=bv, nw=nw, ns=ns: bench(
+                lambda *a: pb.stage_dstates(*a, block_v=bv, **tun(nw, ns)),
                 (qg, W, aqk, kd, gl, do, dht)))
             save(res, out)
 
@@ -304,11 +304,12 @@ def run_jax():
                 (q, k, v, g, beta, A, hs, dhs, do, dvn, vn)))
             save(res, out)
 
-    # (shape, grads (block_k, warps, stages), parts (warps, stages), states (block_v, warps))
-    grads = ((32, 4, 1),)  # 16 channels and 8 warps: slower (benchmarks/RESULTS.md)
+    # (shape, grads (block_k, warps, stages), parts (warps, stages), states (block_v, warps,
+    # stages)): the defaults, and narrower state blocks now that 2 stages pipeline their loads
+    grads = ((32, 4, 2),)  # 16 channels and 8 warps: slower (benchmarks/RESULTS.md)
     sweeps = [
-        (SHAPES[0], grads, ((8, 1),), ((128, 8),)),
-        (SHAPES[1], grads, ((8, 1),), ((32, 8),)),
+        (SHAPES[0], grads, ((8, 2),), ((128, 8, 2), (64, 8, 2))),
+        (SHAPES[1], grads, ((8, 2),), ((32, 8, 2), (16, 8, 2))),
     ]
     for shape, *cfgs in [] if essentials_only else sweeps:
         try:
