@@ -34,12 +34,14 @@ CHECK = (1, 2048, 8)  # numerics case shared by both halves
 LB = -5.0
 D = 128
 CMP = "/tmp/kda_cmp.npz"
-# (block_v, num_warps, num_stages, inverse kernel's warps, split inter stage 0/1); warps and
-# stages apply to every kernel of the call but the intra stage's inverse. The defaults
-# (`default_block_v`, `PIPELINE_STAGES`, `INVERSE_WARPS`, the fused inter kernel) for many / few
-# sequence-heads first, then the split inter stage at few.
+# (block_v, num_warps, num_stages, inverse kernel's warps, split inter stage 0/1); warps are the
+# inter stage's (the pair and W/U kernels keep their measured 8), stages apply to every kernel.
+# The defaults (`default_block_v`, `PIPELINE_STAGES`, `INVERSE_WARPS`, the fused inter kernel) for
+# many / few sequence-heads first, then the split inter stage at few.
 # KDA_CONFIGS="bv,warps,stages,inv[,split];..." replaces the list for one run.
-CONFIGS = [(128, 8, 2, 1, 0), (32, 8, 2, 1, 0), (32, 8, 2, 1, 1), (16, 8, 2, 1, 1)]
+INTRA_WARPS = 8
+CONFIGS = [(128, 8, 2, 1, 0), (32, 8, 2, 1, 0), (32, 8, 2, 1, 1), (16, 8, 2, 1, 1),
+           (16, 4, 2, 1, 1)]
 if os.environ.get("KDA_CONFIGS"):
     CONFIGS = [(tuple(int(x) for x in item.split(",")) + (0,))[:5]
                for item in os.environ["KDA_CONFIGS"].split(";")]
@@ -183,6 +185,7 @@ def run_jax():
                 f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, iw=iw, inter=inter:
                             pallas_chunk_kda_fused_gate(q, k, v, g, b, a, d, lower_bound=LB,
                                                         block_v=bv, num_warps=nw, num_stages=ns,
+                                                        intra_warps=INTRA_WARPS,
                                                         inverse_warps=iw, inter=inter))
                 ms = bench(f, args)
                 r[f"{tag}_ms"] = round(ms, 4)
