@@ -34,11 +34,11 @@ CHECK = (1, 2048, 8)  # numerics case shared by both halves
 LB = -5.0
 D = 128
 CMP = "/tmp/kda_cmp.npz"
-# (block_v, num_warps, num_stages, inverse kernel's warps, split inter stage 0/1); warps are the
+# (block_v, num_warps, num_stages, inverse kernel's warps, two-pass inter stage 0/1); warps are the
 # inter stage's (the pair and W/U kernels keep their measured 8), stages apply to every kernel.
 # The defaults (`default_block_v`, `PIPELINE_STAGES`, `INVERSE_WARPS`, the fused inter kernel) for
-# many / few sequence-heads first, then the split inter stage at few.
-# KDA_CONFIGS="bv,warps,stages,inv[,split];..." replaces the list for one run.
+# many / few sequence-heads first, then the two-pass inter stage at few.
+# KDA_CONFIGS="bv,warps,stages,inv[,two_pass];..." replaces the list for one run.
 INTRA_WARPS = 8
 CONFIGS = [(128, 8, 2, 1, 0), (32, 8, 2, 1, 0), (32, 8, 2, 1, 1), (16, 8, 2, 1, 1),
            (16, 4, 2, 1, 1)]
@@ -178,9 +178,9 @@ def run_jax():
         args = (q, k, v, g, beta, A_log, dt_bias)
         name = f"B{B}_T{T}_H{H}"
         r = {}
-        for bv, nw, ns, iw, split in CONFIGS:
-            tag = f"ours_fused_bv{bv}_w{nw}_s{ns}_inv{iw}" + ("_split" if split else "")
-            inter = "split" if split else "fused"
+        for bv, nw, ns, iw, two_pass in CONFIGS:
+            tag = f"ours_fused_bv{bv}_w{nw}_s{ns}_inv{iw}" + ("_two_pass" if two_pass else "")
+            inter = "two_pass" if two_pass else "fused"
             try:
                 f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, iw=iw, inter=inter:
                             pallas_chunk_kda_fused_gate(q, k, v, g, b, a, d, lower_bound=LB,

@@ -88,7 +88,7 @@ def activations(fused: bool, lower_bound: float, gs_ref, db_ref, h, approx: bool
     unit, exp = gate_exp(approx)
     if not fused:
         f32 = lambda x: x.astype(_F32)  # noqa: E731
-        return (lambda g: f32(g) * unit if approx else f32(g)), f32, f32
+        return ((lambda g: f32(g) * unit) if approx else f32), f32, f32
     gate_scale = gs_ref[h, :].astype(_F32)[None, :]
     dt_bias = db_ref[h, :].astype(_F32)[None, :]
     if approx:  # sigmoid(z) = 1 / (1 + 2^(-z log2 e)), the factor -log2 e folded into the scale

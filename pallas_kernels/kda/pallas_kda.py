@@ -18,7 +18,7 @@ Two stages:
 2. ``_inter_kernel``, grid ``(B, H, V / BV)``, sequential ``fori_loop`` over chunks keeping the
    fp32 state ``S [K, BV]`` on chip: ``v_new = U - W S``, ``o = Qg S + Aqk v_new``,
    ``S = gl * S + Kd^T v_new``. Output and final state written directly (no per-chunk states).
-   Or, with ``inter="split"``, the recurrence alone (``pallas_states.state_pass``, storing every
+   Or, with ``inter="two_pass"``, the recurrence alone (``pallas_states.state_pass``, storing every
    chunk's state and ``v_new``) and then ``o`` for all chunks in parallel: half the products in
    the serial loop, for an HBM round trip of the states; a candidate for few sequence-heads,
    where the serial loop is the critical path (not yet timed on the GPU).
@@ -112,7 +112,7 @@ def _inter_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
 
 
 def _output_kernel(qg_ref, a_ref, hs_ref, vn_ref, o_ref, *, mm_dtype):
-    """The "split" inter stage's second kernel, parallel over chunks: ``o = Qg h + Aqk v_new``
+    """The two-pass inter stage's second kernel, parallel over chunks: ``o = Qg h + Aqk v_new``
     from the chunk's stored input state ``h`` and ``v_new`` (both in the dtype that the fused
     kernel's products round them to, so the two stages give the same o)."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -122,7 +122,7 @@ def _output_kernel(qg_ref, a_ref, hs_ref, vn_ref, o_ref, *, mm_dtype):
     o_ref[b, ts, h, :] = o.astype(o_ref.dtype)
 
 
-def _inter_split(w, u, qg, kd, aqk, gl, h0, chunk_offsets, *, block_v, out_dtype, interpret,
+def _inter_two_pass(w, u, qg, kd, aqk, gl, h0, chunk_offsets, *, block_v, out_dtype, interpret,
                  params):
     """``(o, final state)`` in two kernels: the state recurrence alone (``pallas_states``), which
     stores every chunk's input state, then ``_output_kernel`` over all chunks at once. The serial
@@ -174,8 +174,8 @@ def _pallas_chunk_kda(
         inverse_params=compiler_params(interpret, inverse_warps, num_stages),
     )
 
-    if inter == "split":
-        return _inter_split(w, u, qg, kd, aqk, gl, initial_state, chunk_offsets, block_v=bv,
+    if inter == "two_pass":
+        return _inter_two_pass(w, u, qg, kd, aqk, gl, initial_state, chunk_offsets, block_v=bv,
                             out_dtype=v.dtype, interpret=interpret, params=params)
     varlen = chunk_offsets is not None
     n_seq = initial_state.shape[0]
@@ -245,8 +245,8 @@ def pallas_chunk_kda(
     and the final state are [N, H, K, V] and no state crosses a sequence boundary.
     ``intra_warps``: num_warps of the intra stage's pair and W/U kernels (default ``num_warps``);
     ``inverse_warps``: num_warps of its 16x16-block inverse kernel. ``inter``: ``"fused"``, one
-    sequential kernel that also forms o, or ``"split"``, the state recurrence alone with every
-    chunk's state stored, then o for all chunks in parallel (``_inter_split``; a candidate for
+    sequential kernel that also forms o, or ``"two_pass"``, the state recurrence alone with every
+    chunk's state stored, then o for all chunks in parallel (``_inter_two_pass``; a candidate for
     few sequence-heads, not yet timed on the GPU).
     """
     return _call(q, k, v, g, beta, None, None, scale, initial_state, interpret, False, 0.0,
@@ -301,7 +301,7 @@ def gate_params(A_log: jax.Array, dt_bias: jax.Array, H: int, K: int) -> tuple[j
     return gate_scale, dt_bias.astype(_F32).reshape(H, K)
 
 
-INTER_STAGES = ("fused", "split")
+INTER_STAGES = ("fused", "two_pass")
 
 
 def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret, fused,

@@ -1,5 +1,5 @@
 """The chunk-state recurrences of KDA as Pallas kernels (Triton lowering): the backward runs both,
-the forward's "split" inter stage the first.
+the forward's two-pass inter stage the first.
 
 Grid ``(S, H, V / BV)``, one program per (sequence, head, V block), sequential over the chunks with
 the fp32 state ``[K, BV]`` on chip. V columns are independent in both recurrences, which is what

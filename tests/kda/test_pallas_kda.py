@@ -103,8 +103,8 @@ def test_bf16_inputs_match_reference(T: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_split_inter_stage_equals_fused(dtype) -> None:
-    """The "split" inter stage (state recurrence, then o for all chunks) stores each chunk's state
+def test_two_pass_inter_stage_equals_fused(dtype) -> None:
+    """The two-pass inter stage (state recurrence, then o for all chunks) stores each chunk's state
     and v_new in the dtype the fused kernel's products round them to, so both give the same o
     and final state up to summation order (fp32: 1e-6; bf16: a few bf16 ulps, 1e-2)."""
     x = make_inputs(150, seed=12)
@@ -112,7 +112,7 @@ def test_split_inter_stage_equals_fused(dtype) -> None:
     run = lambda inter: pallas_chunk_kda(  # noqa: E731
         q, k, v, x["g"], x["beta"], initial_state=x["s0"], interpret=True, block_v=32,
         inter=inter)
-    (o, s), (o_ref, s_ref) = run("split"), run("fused")
+    (o, s), (o_ref, s_ref) = run("two_pass"), run("fused")
     assert o.dtype == dtype and s.dtype == jnp.float32
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
     assert rel(o.astype(jnp.float32), o_ref.astype(jnp.float32)) <= tol

@@ -55,12 +55,12 @@ def test_matches_reference(lens: tuple[int, ...]) -> None:
 
 
 @pytest.mark.parametrize("lens", MIXES[:2])
-def test_split_inter_stage_matches_reference(lens: tuple[int, ...]) -> None:
-    """The split inter stage on packed sequences: per-sequence chunk ranges in the recurrence,
+def test_two_pass_inter_stage_matches_reference(lens: tuple[int, ...]) -> None:
+    """The two-pass inter stage on packed sequences: per-sequence chunk ranges in the recurrence,
     every chunk's o from its own stored state."""
     x, cu = packed_inputs(lens, seed=sum(lens))
     o, s = pallas_chunk_kda(*_args(x), initial_state=x["s0"], cu_seqlens=cu, interpret=True,
-                            inter="split")
+                            inter="two_pass")
     ref_o, ref_s = chunked_kda(*_args(x), scale=K**-0.5, initial_state=x["s0"], cu_seqlens=cu)
     assert o.shape == (1, cu[-1], H, V) and s.shape == (len(lens), H, K, V)
     assert o.dtype == jnp.float32 and s.dtype == jnp.float32
@@ -135,10 +135,10 @@ def test_validation() -> None:
         pallas_chunk_kda(*_args(x), initial_state=x["s0"][:1], cu_seqlens=cu, interpret=True)
 
 
-@pytest.mark.parametrize("inter, kernels", [("fused", 4), ("split", 5)])
+@pytest.mark.parametrize("inter, kernels", [("fused", 4), ("two_pass", 5)])
 def test_lowers_to_triton_for_h200(inter: str, kernels: int) -> None:
     """Cross-lowering for an abstract H200 on CPU: every kernel (the intra stage's pair, inverse
-    and W/U kernels, the inter kernel with its data-dependent chunk range, or the split stage's
+    and W/U kernels, the inter kernel with its data-dependent chunk range, or the two-pass stage's
     recurrence and output kernels) passes the Pallas -> Triton IR step (no PTX compile)."""
     f = jax.ShapeDtypeStruct
     T, cu = 200, np.array([0, 1, 70, 200])
