@@ -69,6 +69,21 @@ def np_inputs(B, T, H, seed=0):
     )
 
 
+def timing_inputs(B, T, H):
+    """The jax halves' timed call's arguments: raw bf16 q, k, v, gate and beta logits, A_log [H]
+    and dt_bias [H * D] (K3's production call)."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.split(jax.random.PRNGKey(0), 6)
+    mk = lambda kk, *s: jax.random.normal(kk, s, jnp.bfloat16)  # noqa: E731
+    q, k, v, g = (mk(key[i], B, T, H, D) for i in range(4))
+    beta = mk(key[4], B, T, H)
+    A_log = jax.random.uniform(key[5], (H,), jnp.float32, -1, 1)
+    dt_bias = jnp.zeros((H * D,), jnp.float32)
+    return q, k, v, g, beta, A_log, dt_bias
+
+
 def run_torch():
     from benchmarks.torch_peer import export_autotuning, keep_autotuning
 
@@ -171,13 +186,7 @@ def run_jax():
         return median_ms(f, *args, reps=n_rep, inner=n_inner)
 
     for B, T, H in SHAPES:
-        key = jax.random.split(jax.random.PRNGKey(0), 6)
-        mk = lambda kk, *s: jax.random.normal(kk, s, jnp.bfloat16)
-        q, k, v, g = (mk(key[i], B, T, H, D) for i in range(4))
-        beta = mk(key[4], B, T, H)
-        A_log = jax.random.uniform(key[5], (H,), jnp.float32, -1, 1)
-        dt_bias = jnp.zeros((H * D,), jnp.float32)
-        args = (q, k, v, g, beta, A_log, dt_bias)
+        args = timing_inputs(B, T, H)
         name = f"B{B}_T{T}_H{H}"
         r = {}
         for bv, nw, ns, iw, two_pass in CONFIGS:
@@ -222,7 +231,7 @@ def run_jax():
         res[name] = r
         print(name, r, flush=True)
         save()
-        del q, k, v, g, beta
+        del args
 
 
 def run_stages():
@@ -238,12 +247,7 @@ def run_stages():
 
     res = {"env": {"jax": jax.__version__, "device": str(jax.devices()[0])}}
     for B, T, H in SHAPES:
-        key = jax.random.split(jax.random.PRNGKey(0), 6)
-        mk = lambda kk, *s: jax.random.normal(kk, s, jnp.bfloat16)  # noqa: E731
-        q, k, v, g = (mk(key[i], B, T, H, D) for i in range(4))
-        beta = mk(key[4], B, T, H)
-        A_log = jax.random.uniform(key[5], (H,), jnp.float32, -1, 1)
-        dt_bias = jnp.zeros((H * D,), jnp.float32)
+        q, k, v, g, beta, A_log, dt_bias = timing_inputs(B, T, H)
         ins = (q, k, v, g, beta, *gate_params(A_log, dt_bias, H, D))
         r = {}
         for warps in (4, 8):

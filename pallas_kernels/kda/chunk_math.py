@@ -91,9 +91,9 @@ def _midpoints(G: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
     return g_mid, mids
 
 
-def _col_factor(G: jax.Array, mid: jax.Array, exp=jnp.exp, clamp: float = CLAMP) -> jax.Array:
+def _col_factor(G: jax.Array, mid: jax.Array, unit: float, exp) -> jax.Array:
     """``exp(min(G_m - G_i, 40))`` [C, K]: finite also for the masked columns ``i > r``."""
-    return exp(jnp.minimum(mid - G, clamp))
+    return exp(jnp.minimum(mid - G, CLAMP * unit))
 
 
 def row_block(M: jax.Array, i: int) -> jax.Array:
@@ -106,24 +106,24 @@ def pair_scores(x, y, G, mm_dtype) -> jax.Array:
     return pair_scores_many((x,), y, G, mm_dtype)[0]
 
 
-def pair_scores_many(xs, y, G, mm_dtype, exp=jnp.exp, clamp: float = CLAMP) -> list[jax.Array]:
+def pair_scores_many(xs, y, G, mm_dtype, unit: float = 1.0, exp=jnp.exp) -> list[jax.Array]:
     """``[pair_scores(x, y, G) for x in xs]`` making each sub-chunk's column factor once.
-    A kernel may keep ``G`` in another unit and pass the matching ``exp`` and ``clamp``
-    (``intra_blocks.gate_exp``)."""
+    A kernel may keep ``G`` in another ``unit`` (of natural log) with the matching ``exp``
+    (``intra_blocks.gate_exp``); the clamp follows the unit."""
     g_mid, mids = _midpoints(G)
     rf = exp(G - g_mid)
     xrs = [x * rf for x in xs]
     outs = [None] * len(xs)
     for i, mid in enumerate(mids):
-        yc = y * _col_factor(G, mid, exp, clamp)
+        yc = y * _col_factor(G, mid, unit, exp)
         for n, xr in enumerate(xrs):
             p = row_block(dot(xr, yc, mm_dtype, trans_b=True), i)
             outs[n] = p if outs[n] is None else outs[n] + p
     return outs
 
 
-def pair_grads(dL_rows, dAqk_rows, k, bk, qs, G, mm_dtype, exp=jnp.exp,
-               clamp: float = CLAMP) -> tuple[jax.Array, jax.Array, jax.Array]:
+def pair_grads(dL_rows, dAqk_rows, k, bk, qs, G, mm_dtype, unit: float = 1.0,
+               exp=jnp.exp) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Back through ``L = b_r P(k, k)`` and ``Aqk = P(qs, k)`` (lower-triangular dL, dAqk, given
     by row block: ``dL_rows(i)`` is dL with the rows outside sub-chunk i zeroed, [C, C]).
 
@@ -131,14 +131,14 @@ def pair_grads(dL_rows, dAqk_rows, k, bk, qs, G, mm_dtype, exp=jnp.exp,
     without b_r), ``rq`` the same with dAqk, and the column side of both,
     ``c[i] = sum_r (dL[r, i] b_r k_r + dAqk[r, i] qs_r) e^{G_r - G_i}``. One column factor and
     one row block of dL and dAqk at a time, so that a kernel can load each block when needed.
-    ``exp``, ``clamp``: as in ``pair_scores_many``.
+    ``unit``, ``exp``: as in ``pair_scores_many``.
     """
     g_mid, mids = _midpoints(G)
     rf = exp(G - g_mid)
     bkr, qsr = bk * rf, qs * rf
     rk = rq = c = None
     for i, mid in enumerate(mids):
-        cf = _col_factor(G, mid, exp, clamp)
+        cf = _col_factor(G, mid, unit, exp)
         kc = k * cf
         mL, mA = dL_rows(i), dAqk_rows(i)
         prk, prq = dot(mL, kc, mm_dtype), dot(mA, kc, mm_dtype)
@@ -245,8 +245,7 @@ def key_grads_from_sums(qs, k, g, beta, dL_rows, dAqk_rows, v_sums, mm_dtype, un
     b = beta[:, None]
 
     # L = b_r P(k, k): its row side taken with dL (gives dbeta), column side with b_r dL.
-    rk, rq, c = pair_grads(dL_rows, dAqk_rows, k, b * k, qs, G, pair_dtype(mm_dtype), exp,
-                           CLAMP * unit)
+    rk, rq, c = pair_grads(dL_rows, dAqk_rows, k, b * k, qs, G, pair_dtype(mm_dtype), unit, exp)
     yw, dQg, dKd, dgl = v_sums()
     eg = exp(G)
     ed = exp(G_last - G)

@@ -69,6 +69,12 @@ def unit_lower_inverse(L, mm_dtype=_F32):
     return X
 
 
+def approx_math(interpret: bool, mm_dtype) -> bool:
+    """Whether a kernel takes ``ptx_math``'s single-instruction exp2 / reciprocal: on the GPU
+    (interpret mode cannot lower them) for bf16 products, whose operands round far coarser."""
+    return not interpret and mm_dtype != _F32
+
+
 def gate_exp(approx: bool):
     """``(unit, exp)``: the unit in which a kernel keeps its log-decays and the exponential of
     them. Exact: natural logs and ``jnp.exp`` (libdevice ``expf``, ~8 instructions). With
@@ -84,28 +90,30 @@ def activations(fused: bool, lower_bound: float, gs_ref, db_ref, h, approx: bool
     """(gate, l2, beta) input activations of one head in fp32: K3's fused ones
     (``g = lb * sigmoid(exp(A_log) (g_raw + dt_bias))``, ``x rsqrt(sum x^2 + 1e-6)``, sigmoid),
     or identities on pre-activated inputs. The gate comes in ``gate_exp(approx)``'s unit; with
-    ``approx`` its sigmoid is ``1 / (1 + 2^-z)`` from ``ex2.approx`` and ``rcp.approx``."""
-    unit, exp = gate_exp(approx)
+    ``approx`` its sigmoid is ``ptx_math.sigmoid``."""
+    unit = gate_exp(approx)[0]
     if not fused:
         f32 = lambda x: x.astype(_F32)  # noqa: E731
-        return ((lambda g: f32(g) * unit) if approx else f32), f32, f32
+        return ((lambda g: f32(g) * unit) if approx else f32), f32, beta_activation(False)
     gate_scale = gs_ref[h, :].astype(_F32)[None, :]
     dt_bias = db_ref[h, :].astype(_F32)[None, :]
-    if approx:  # sigmoid(z) = 1 / (1 + 2^(-z log2 e)), the factor -log2 e folded into the scale
-        neg_scale2 = gate_scale * -ptx_math.LOG2E
+    sigmoid = ptx_math.sigmoid if approx else jax.nn.sigmoid
 
-        def gate(g):
-            return (lower_bound * unit) * ptx_math.reciprocal(
-                1.0 + exp(neg_scale2 * (g.astype(_F32) + dt_bias)))
-    else:
-        def gate(g):
-            return lower_bound * jax.nn.sigmoid(gate_scale * (g.astype(_F32) + dt_bias))
+    def gate(g):
+        return (lower_bound * unit) * sigmoid(gate_scale * (g.astype(_F32) + dt_bias))
 
     def l2(x):
         x = x.astype(_F32)
         return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6)
 
-    return gate, l2, lambda beta: jax.nn.sigmoid(beta.astype(_F32))
+    return gate, l2, beta_activation(fused)
+
+
+def beta_activation(fused: bool):
+    """beta in fp32 from its input: a sigmoid of logits with K3's fused activations, else as is."""
+    if fused:
+        return lambda beta: jax.nn.sigmoid(beta.astype(_F32))
+    return lambda beta: beta.astype(_F32)
 
 
 def store_row(ref, b, ts, h, blocks):

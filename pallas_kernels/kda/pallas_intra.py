@@ -28,10 +28,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import (
-    BC, BF16X3, C, CLAMP, NC, causal_masks, dot, pair_scores_many, row,
+    BC, BF16X3, C, NC, causal_masks, dot, pair_scores_many, row,
 )
 from pallas_kernels.kda.intra_blocks import (
-    activations, gate_exp, matmul_dtypes, store_row, unit_lower_inverse,
+    activations, approx_math, beta_activation, gate_exp, matmul_dtypes, store_row,
+    unit_lower_inverse,
 )
 
 _F32 = jnp.float32
@@ -61,7 +62,7 @@ def _pairs_kernel(q_ref, k_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, low
     qg_ref[b, ts, h, :] = (qs * eg).astype(sd)
 
     causal, strict = causal_masks()
-    p_kk, p_qk = pair_scores_many((k, qs), k, G, mm_dtype, exp, CLAMP * unit)
+    p_kk, p_qk = pair_scores_many((k, qs), k, G, mm_dtype, unit, exp)
     l_ref[b, ts, h, :] = jnp.where(strict, beta * p_kk, 0.0)
     a_ref[b, ts, h, :] = jnp.where(causal, p_qk, 0.0).astype(a_ref.dtype)
 
@@ -83,8 +84,7 @@ def _wu_kernel(x_ref, bk_ref, v_ref, b_ref, w_ref, u_ref, *, mm_dtype, fused):
     ts = pl.ds(c * C, C)
     X = x_ref[b, ts, h, :]
     w_ref[b, ts, h, :] = dot(X, bk_ref[b, ts, h, :], mm_dtype).astype(w_ref.dtype)
-    beta = b_ref[b, ts, h].astype(_F32)
-    beta = jax.nn.sigmoid(beta) if fused else beta
+    beta = beta_activation(fused)(b_ref[b, ts, h])
     bv = beta[:, None] * v_ref[b, ts, h, :].astype(_F32)
     u_ref[b, ts, h, :] = dot(X, bv, mm_dtype).astype(u_ref.dtype)
 
@@ -99,7 +99,7 @@ def intra_pairs(ins, *, scale, fused, lower_bound, interpret, params):
     sds = jax.ShapeDtypeStruct
     return pl.pallas_call(
         functools.partial(_pairs_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused,
-                          lower_bound=lower_bound, approx=not interpret and mm_dtype != _F32),
+                          lower_bound=lower_bound, approx=approx_math(interpret, mm_dtype)),
         grid=(B, H, n),
         out_shape=(
             sds((B, Tp, H, C), _F32),  # L, strictly lower

@@ -38,13 +38,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C
+from pallas_kernels.kda.intra_blocks import approx_math
 from pallas_kernels.kda.pallas_bwd_channels import channel_grads_kernel
-from pallas_kernels.kda.pallas_states import dstates_kernel, state_pass
 from pallas_kernels.kda.pallas_bwd_value import chunk_sums_kernel
 from pallas_kernels.kda.pallas_intra import intra_stage
 from pallas_kernels.kda.pallas_kda import (
     FEW_SEQUENCE_HEADS, INVERSE_WARPS, PIPELINE_STAGES, compiler_params, matmul_dtypes,
 )
+from pallas_kernels.kda.pallas_states import dstates_kernel, state_pass
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
@@ -124,7 +125,7 @@ def stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, *, scale, block_k, in
     )(A, beta, v, do, dvn, vn)
     dq, dk, dg, dbeta_k = pl.pallas_call(
         functools.partial(channel_grads_kernel, scale=scale, mm_dtype=mm_dtype, bk=block_k,
-                          approx=not interpret and mm_dtype != _F32),
+                          approx=approx_math(interpret, mm_dtype)),
         grid=(B, H, n, K // block_k),
         out_shape=(sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype),
                    sds((B, K // block_k, Tp, H), _F32)),
