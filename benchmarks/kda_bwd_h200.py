@@ -269,9 +269,9 @@ def run_jax():
         save(res, out)
 
     if not stages_only:  # the default first, then the candidates
-        # (num_warps, grads_warps, grads_block_k, num_stages); 2 warps and 16 / 64 channels were
-        # slower (benchmarks/RESULTS.md); 2 stages pipeline the state passes' chunk loads
-        variants = ((8, 4, 32, 1), (8, 4, 32, 2))
+        # (num_warps, grads_warps, grads_block_k, num_stages) beside the defaults: 2 warps, 16 / 64
+        # channels and 1 stage were slower (benchmarks/RESULTS.md)
+        variants = ()
         essentials(*SHAPES[0], variants)
         essentials(*SHAPES[1], variants)
     for shape in SHAPES:
@@ -305,11 +305,11 @@ def run_jax():
             save(res, out)
 
     # (shape, grads (block_k, warps, stages), parts (warps, stages), states (block_v, warps,
-    # stages)): the defaults, and narrower state blocks now that 2 stages pipeline their loads
+    # stages)): the defaults, then the state passes at fewer warps where their blocks are narrow
     grads = ((32, 4, 2),)  # 16 channels and 8 warps: slower (benchmarks/RESULTS.md)
     sweeps = [
         (SHAPES[0], grads, ((8, 2),), ((128, 8, 2), (64, 8, 2))),
-        (SHAPES[1], grads, ((8, 2),), ((32, 8, 2), (16, 8, 2))),
+        (SHAPES[1], grads, ((8, 2),), ((16, 8, 2), (16, 4, 2), (32, 4, 2))),
     ]
     for shape, *cfgs in [] if essentials_only else sweeps:
         try:

@@ -30,20 +30,18 @@ from benchmarks.torch_peer import TUNED_ARCHIVE
 
 OUT = os.environ.get("OUT", ".")
 # (B, T, H), D = 128: the two targets' shapes, then K3's batch-1 prefill (96 heads: few
-# sequence-heads by `default_block_v`'s threshold, which no other shape here tests)
+# sequence-heads by `default_inter`'s threshold, which no other shape here tests)
 SHAPES = [(4, 8192, 96), (1, 32768, 16), (1, 8192, 96)]
 CHECK = (1, 2048, 8)  # numerics case shared by both halves
 LB = -5.0
 D = 128
 CMP = "/tmp/kda_cmp.npz"
 # (block_v, num_warps, num_stages, inverse kernel's warps, two-pass inter stage 0/1); warps are the
-# inter stage's (the pair and W/U kernels keep their measured 8), stages apply to every kernel.
-# The defaults (`default_block_v`, `PIPELINE_STAGES`, `INVERSE_WARPS`, the fused inter kernel) for
-# many / few sequence-heads first, then the two-pass inter stage at few.
+# inter stage's (the pair and W/U kernels keep `INTRA_WARPS`), stages apply to every kernel.
+# `default_inter`'s choices for many / few sequence-heads first, then their nearest neighbours.
 # KDA_CONFIGS="bv,warps,stages,inv[,two_pass];..." replaces the list for one run.
-INTRA_WARPS = 8
-CONFIGS = [(128, 8, 2, 1, 0), (32, 8, 2, 1, 0), (32, 8, 2, 1, 1), (16, 8, 2, 1, 1),
-           (16, 4, 2, 1, 1)]
+CONFIGS = [(128, 8, 2, 1, 0), (16, 4, 2, 1, 1), (16, 4, 1, 1, 1), (16, 2, 2, 1, 1),
+           (32, 4, 2, 1, 1)]
 if os.environ.get("KDA_CONFIGS"):
     CONFIGS = [(tuple(int(x) for x in item.split(",")) + (0,))[:5]
                for item in os.environ["KDA_CONFIGS"].split(";")]
@@ -131,7 +129,9 @@ def run_jax():
     import jax.numpy as jnp
 
     from benchmarks.timing import median_ms
-    from pallas_kernels.kda.pallas_kda import pallas_chunk_kda, pallas_chunk_kda_fused_gate
+    from pallas_kernels.kda.pallas_kda import (
+        INTRA_WARPS, pallas_chunk_kda, pallas_chunk_kda_fused_gate,
+    )
     from pallas_kernels.kda.reference import chunked_kda
 
     res = {"env": {"jax": jax.__version__, "device": str(jax.devices()[0])}}

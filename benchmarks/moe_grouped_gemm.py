@@ -157,8 +157,7 @@ def part_jax(budget_s: float, tune: bool = False) -> None:
         if dist != "uniform" and kind in best_cfg:
             cfgs = [best_cfg[kind]]  # the best (cfg, approx) of the uniform case
         for cfg, approx in cfgs:
-            tag = f"bm{cfg.block_m}_bn{cfg.block_n}_bk{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
-            tag += "_approx" if approx else ""
+            tag = cfg.label() + ("_approx" if approx else "")
             try:
                 if fused:
                     f = jax.jit(functools.partial(pg.grouped_gate_up_situ, cfg=cfg, approx_situ=approx))

@@ -96,11 +96,6 @@ def part_jax(budget_s: float) -> None:
         scale = 119 + jax.random.bits(k2, (e, n, k // 32), jnp.uint8) % 2
         return MXFP4Experts(jax.random.bits(k1, (e, n, k // 2), jnp.uint8), scale.astype(jnp.uint8))
 
-    def tag(cfg) -> str:
-        return (f"bm{cfg.block_m}_bn{cfg.block_n}_bk{cfg.block_k}_w{cfg.num_warps}_s{cfg.num_stages}"
-                + ("_wlhs" if cfg.weights_lhs else "")
-                + (f"_tail{cfg.tail_m}" if cfg.tail_m else ""))
-
     def run_case(record: dict, name: str, fn, args, check) -> None:
         """Compile, check numerics (check(out) -> (rel_err, ok)), then time; failures are recorded."""
         try:
@@ -177,8 +172,8 @@ def part_jax(budget_s: float) -> None:
             dense_args, packed_args = (x, d1, gs), (x, q1, gs)
         bf16_check = lambda out: (lambda e: (e, e <= 1e-2))(rel(out, ref32))  # noqa: E731
         for cfg in bf16_cfgs:
-            rec["mma_rows_" + tag(cfg)] = int(pg.mma_rows(gs, m, cfg))  # useful rows: m
-            run_case(rec, "bf16_" + tag(cfg), call(cfg), dense_args, bf16_check)
+            rec["mma_rows_" + cfg.label()] = int(pg.mma_rows(gs, m, cfg))  # useful rows: m
+            run_case(rec, "bf16_" + cfg.label(), call(cfg), dense_args, bf16_check)
         same_bf16 = call(bf16_cfgs[0])(*dense_args)
         for i, cfg in enumerate(mxfp4_cfgs):
             if i == 0:  # fp32 out: same bf16 operands as the bf16 kernel, so only the summation order differs
@@ -190,10 +185,10 @@ def part_jax(budget_s: float) -> None:
 
             def check(out):  # bf16 out: a few flipped bf16 roundings vs the bf16 kernel; a bad decode is O(0.1)
                 same, err = rel(out, same_bf16), rel(out, ref32)
-                rec["mxfp4_vs_bf16_kernel_" + tag(cfg)] = same
+                rec["mxfp4_vs_bf16_kernel_" + cfg.label()] = same
                 return err, same <= 5e-3 and err <= 1e-2
 
-            run_case(rec, "mxfp4_" + tag(cfg), call(cfg), packed_args, check)
+            run_case(rec, "mxfp4_" + cfg.label(), call(cfg), packed_args, check)
         if num_experts != 28 or m != M:
             return
         # x's columns in fragment order (mxfp4_order.py), permuted here outside the timing: the kernel then
@@ -206,7 +201,7 @@ def part_jax(budget_s: float) -> None:
             rec["mxfp4_fragment_order_vs_bf16_kernel"] = same
             return err, same <= 5e-3 and err <= 1e-2
 
-        run_case(rec, "mxfp4_fragment_order_" + tag(frag_cfg), call(frag_cfg, x_fragment_order=True),
+        run_case(rec, "mxfp4_fragment_order_" + frag_cfg.label(), call(frag_cfg, x_fragment_order=True),
                  (x_frag, *packed_args[1:]), frag_check)
         if fused:
             xla_decode = jax.jit(lambda x_, a, b, g: pg.grouped_gate_up_situ(

@@ -20,8 +20,8 @@ Two stages:
    ``S = gl * S + Kd^T v_new``. Output and final state written directly (no per-chunk states).
    Or, with ``inter="two_pass"``, the recurrence alone (``pallas_states.state_pass``, storing every
    chunk's state and ``v_new``) and then ``o`` for all chunks in parallel: half the products in
-   the serial loop, for an HBM round trip of the states; a candidate for few sequence-heads,
-   where the serial loop is the critical path (not yet timed on the GPU).
+   the serial loop, for an HBM round trip of the states; the default for few sequence-heads,
+   where the serial loop is the critical path (``default_inter``).
 
 Packed sequences (``cu_seqlens``): the inputs are gathered into a chunk-aligned layout
 (``varlen_layout.py``: each sequence padded to whole chunks, at most ``N * (C - 1)`` extra
@@ -48,11 +48,11 @@ so a port to Mosaic GPU / Mosaic TPU is a rewrite of the memory movement, not of
 Triton constraints: K, V and BV must be powers of two >= 16.
 
 Measured on one H200 beside fla-core in the same job (benchmarks/RESULTS.md): B4 T8192 H96 D128
-bf16 9.43 ms with the fused activations (fla 9.95 ms), B1 T32768 H16 2.61 ms (fla 2.25 ms); bf16
+bf16 9.43 ms with the fused activations (fla 9.95 ms), B1 T32768 H16 2.23 ms (fla 2.24 ms); bf16
 error vs the fp32 reference equal to fla's. bf16 inputs take the hardware exp2 / reciprocal
-(``intra_blocks.gate_exp``); fp32 inputs stay exact. Defaults:
-``num_warps=8``, ``PIPELINE_STAGES``, ``default_block_v`` and ``INVERSE_WARPS``, the fastest
-measured.
+(``intra_blocks.gate_exp``); fp32 inputs stay exact. Defaults: ``default_inter`` (the inter
+stage's form, block_v and warps by the number of sequence-heads), ``INTRA_WARPS``,
+``INVERSE_WARPS`` and ``PIPELINE_STAGES``, the fastest measured.
 Intra stages measured slower on the H200 and removed (benchmarks/RESULTS.md): one kernel over
 16-row sub-chunks ("v1", 13.5 ms at B4 T8192 H96), the same as two kernels ("split"), and the
 variants "lean", "blocks", "stream" and "kblock".
@@ -194,24 +194,29 @@ def _pallas_chunk_kda(
 
 
 INVERSE_WARPS = 1  # the intra stage's inverse kernel (16x16 blocks): one warp, fastest of 1, 2, 4
+INTRA_WARPS = 8  # the intra stage's pair and W/U kernels: at 4 the pair kernel spills
 FEW_SEQUENCE_HEADS = 128  # below this many (sequence, head) pairs, favour parallelism
-# Triton pipeline stages: only the inter kernel has a loop, and 2 stages prefetch the next chunk's
-# W, U, Qg, Kd, Aqk while the state update runs (B1 T32768 H16, block_v 64: 3.14 vs 3.22 ms; the
-# same 9.43 ms at B4 T8192 H96, benchmarks/RESULTS.md). 3 stages exceed the shared memory.
+# Triton pipeline stages: the inter stage's chunk loops prefetch the next chunk's W, U, Qg, Kd,
+# Aqk while the state update runs (B1 T32768 H16, block_v 64: 3.14 vs 3.22 ms; the same 9.43 ms
+# at B4 T8192 H96, benchmarks/RESULTS.md). 3 stages exceed the shared memory.
 PIPELINE_STAGES = 2
 
 
-def default_block_v(sequence_heads: int) -> int:
-    """block_v measured fastest on an H200 (benchmarks/RESULTS.md).
+def default_inter(sequence_heads: int) -> tuple[str, int, int]:
+    """``(inter, block_v, num_warps)`` of the inter stage, the fastest measured on an H200
+    (benchmarks/RESULTS.md, seventh run, fla in the same job).
 
-    The inter kernel has one program per (sequence, head, V block), each walking all chunks, so
-    with few sequence-heads (B1 H16: 16 programs for 132 SMs) narrower blocks give more parallel
-    programs: 2.61 ms at block_v 32 against 3.14 at 64 and 4.75 at 128 (B1 T32768 H16, two
-    pipeline stages). With many (B4 H96) block_v 128 is faster: 9.43 vs 9.82 (64) and 11.96 (32)
-    ms. The threshold lies between those two measured points (16 and 384 sequence-heads) and is
-    not itself measured; K3's batch-1 prefill (96 heads) falls below it.
+    The inter stage has one program per (sequence, head, V block), each walking all chunks. With
+    many sequence-heads (B4 T8192 H96: 384) the fused kernel on whole 128-wide blocks fills the
+    GPU: 9.43 ms against 11.14 for the two-pass stage at block_v 32. With few, parallelism is
+    what counts: the two-pass stage (a lighter serial loop, o formed afterwards for all chunks at
+    once) at block_v 16 and 4 warps took 2.23 ms at B1 T32768 H16 (16 sequence-heads; fused at
+    block_v 32: 2.59, fla 2.24) and 2.65 ms at B1 T8192 H96 (96; fused at 128: 2.68, at 32:
+    3.08). The threshold lies between 96 and 384 and is not itself measured.
     """
-    return 32 if sequence_heads < FEW_SEQUENCE_HEADS else 128
+    if sequence_heads < FEW_SEQUENCE_HEADS:
+        return "two_pass", 16, 4
+    return "fused", 128, 8
 
 
 def _default_interpret() -> bool:
@@ -230,11 +235,11 @@ def pallas_chunk_kda(
     cu_seqlens: object | None = None,
     interpret: bool | None = None,
     block_v: int | None = None,
-    num_warps: int = 8,
+    num_warps: int | None = None,
     num_stages: int = PIPELINE_STAGES,
-    intra_warps: int | None = None,
+    intra_warps: int = INTRA_WARPS,
     inverse_warps: int = INVERSE_WARPS,
-    inter: str = "fused",
+    inter: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked KDA forward (safe gate, pre-activated inputs; fla conventions).
 
@@ -243,11 +248,12 @@ def pallas_chunk_kda(
     final state fp32 [B, H, K, V])``. ``interpret`` defaults to True off GPU.
     ``cu_seqlens``: host int offsets [N + 1] of packed sequences (B == 1); then initial_state
     and the final state are [N, H, K, V] and no state crosses a sequence boundary.
-    ``intra_warps``: num_warps of the intra stage's pair and W/U kernels (default ``num_warps``);
-    ``inverse_warps``: num_warps of its 16x16-block inverse kernel. ``inter``: ``"fused"``, one
-    sequential kernel that also forms o, or ``"two_pass"``, the state recurrence alone with every
-    chunk's state stored, then o for all chunks in parallel (``_inter_two_pass``; a candidate for
-    few sequence-heads, not yet timed on the GPU).
+    ``inter``: ``"fused"``, one sequential kernel that also forms o, or ``"two_pass"``, the state
+    recurrence alone with every chunk's state stored, then o for all chunks in parallel
+    (``_inter_two_pass``); ``block_v`` and ``num_warps`` are the inter stage's. The three default
+    to ``default_inter`` for the call's number of (sequence, head) pairs. ``intra_warps``:
+    num_warps of the intra stage's pair and W/U kernels; ``inverse_warps``: of its 16x16-block
+    inverse kernel.
     """
     return _call(q, k, v, g, beta, None, None, scale, initial_state, interpret, False, 0.0,
                  cu_seqlens, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
@@ -269,11 +275,11 @@ def pallas_chunk_kda_fused_gate(
     cu_seqlens: object | None = None,
     interpret: bool | None = None,
     block_v: int | None = None,
-    num_warps: int = 8,
+    num_warps: int | None = None,
     num_stages: int = PIPELINE_STAGES,
-    intra_warps: int | None = None,
+    intra_warps: int = INTRA_WARPS,
     inverse_warps: int = INVERSE_WARPS,
-    inter: str = "fused",
+    inter: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """As ``pallas_chunk_kda`` with K3's input activations fused into the intra stage.
 
@@ -318,7 +324,10 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
                 f"pallas KDA on GPU needs K and V powers of two >= 16 (Triton), got {bad}"
             )
     n_seq = B if cu_seqlens is None else host_offsets(cu_seqlens, T).size - 1
-    block_v = default_block_v(n_seq * H) if block_v is None else block_v
+    inter_default, block_v_default, warps_default = default_inter(n_seq * H)
+    inter = inter_default if inter is None else inter
+    block_v = block_v_default if block_v is None else block_v
+    num_warps = warps_default if num_warps is None else num_warps
     if not _is_pow2(block_v) or block_v < 16:
         raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
     if inter not in INTER_STAGES:
@@ -331,7 +340,7 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
     kw = dict(
         scale=scale, interpret=bool(interpret), fused=fused, lower_bound=lower_bound,
         block_v=block_v if V % block_v == 0 else V, num_warps=num_warps, num_stages=num_stages,
-        intra_warps=num_warps if intra_warps is None else intra_warps,
+        intra_warps=intra_warps,
         inverse_warps=inverse_warps, inter=inter,
     )
     if cu_seqlens is not None:
@@ -377,4 +386,4 @@ def _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlen
     return from_aligned(o, layout), ht
 
 
-__all__ = ["LOWER_BOUND_MIN", "pallas_chunk_kda", "pallas_chunk_kda_fused_gate"]
+__all__ = ["LOWER_BOUND_MIN", "default_inter", "pallas_chunk_kda", "pallas_chunk_kda_fused_gate"]

@@ -149,11 +149,11 @@ def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_
 
 def default_block_v(sequence_heads: int) -> int:
     """V block of the state recurrences: one program per (sequence, head, V block) walks all
-    chunks, so with few sequence-heads (B1 H16: 64 programs at 32 for 132 SMs) narrower blocks
-    buy parallelism. With many, whole 128-wide blocks at the default 8 warps: on an H200 at B4
-    T8192 H96 the two recurrences took 2.11 + 3.03 ms at 128 vs 3.09 + 4.39 at 64
-    (benchmarks/RESULTS.md)."""
-    return 32 if sequence_heads < FEW_SEQUENCE_HEADS else 128
+    chunks, so with few sequence-heads narrower blocks buy parallelism: at B1 T32768 H16 the two
+    recurrences took 1.05 + 1.42 ms at block_v 16 against 1.18 + 1.53 at 32 (two pipeline
+    stages). With many, whole 128-wide blocks at the default 8 warps: at B4 T8192 H96 1.97 +
+    2.33 ms against 2.74 + 3.24 at 64 (benchmarks/RESULTS.md, seventh run)."""
+    return 16 if sequence_heads < FEW_SEQUENCE_HEADS else 128
 
 
 def pallas_chunk_kda_bwd(

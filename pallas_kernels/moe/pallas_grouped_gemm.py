@@ -105,6 +105,12 @@ class TileConfig:
     weights_lhs: bool = False
     tail_m: int | None = None
 
+    def label(self) -> str:
+        """Every field, for benchmark records: configs that differ get different labels."""
+        return (f"bm{self.block_m}_bn{self.block_n}_bk{self.block_k}_w{self.num_warps}"
+                f"_s{self.num_stages}" + ("_wlhs" if self.weights_lhs else "")
+                + (f"_tail{self.tail_m}" if self.tail_m else ""))
+
 
 # Picked on one H200 (2026-11-29, benchmarks/RESULTS.md): 128-row tiles when experts average >= 320 rows.
 # Below that (146 rows per expert at E=112) every expert's remainder tile is mostly padding: 64-row tiles

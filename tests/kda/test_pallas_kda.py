@@ -13,7 +13,9 @@ import pytest
 
 from pallas_kernels.kda import chunk_kda, naive_recurrent_kda
 from pallas_kernels.kda.intra_blocks import unit_lower_inverse
-from pallas_kernels.kda.pallas_kda import pallas_chunk_kda, pallas_chunk_kda_fused_gate
+from pallas_kernels.kda.pallas_kda import (
+    default_inter, pallas_chunk_kda, pallas_chunk_kda_fused_gate,
+)
 from pallas_kernels.kda.reference import chunked_kda
 from tests.kda.kda_cases import as_f32, kda_case, rel
 
@@ -31,11 +33,13 @@ def _ref(x: dict[str, jax.Array], s0: jax.Array | None) -> tuple[jax.Array, jax.
     )
 
 
+@pytest.mark.parametrize("inter", ["fused", "two_pass"])
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 150])
-def test_matches_reference_with_initial_state(T: int) -> None:
+def test_matches_reference_with_initial_state(T: int, inter: str) -> None:
     x = make_inputs(T, seed=T)
     o, s = pallas_chunk_kda(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["s0"], interpret=True
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["s0"], interpret=True,
+        inter=inter,
     )
     ref_o, ref_s = _ref(x, x["s0"])
     assert o.shape == (B, T, H, V) and o.dtype == jnp.float32
@@ -122,6 +126,31 @@ def test_two_pass_inter_stage_equals_fused(dtype) -> None:
         assert rel(o, ref_o) <= 1e-4 and rel(s, ref_s) <= 1e-4
     with pytest.raises(ValueError, match=r"^inter: expected one of"):
         pallas_chunk_kda(q, k, v, x["g"], x["beta"], interpret=True, inter="serial")
+
+
+@pytest.mark.parametrize("heads, kernels", [(2, ("kda_states", "kda_output")),
+                                            (128, ("kda_inter_state",))])
+def test_default_inter_stage_by_sequence_heads(heads: int, kernels: tuple[str, ...]) -> None:
+    """Without ``inter``, few (sequence, head) pairs take the two-pass stage and many the fused
+    kernel (``default_inter``), with their block_v and warps: checked on the Triton IR lowered
+    for an abstract H200 (no GPU needed)."""
+    f = jax.ShapeDtypeStruct
+    T, K16 = 64, 16
+    args = (f((1, T, heads, K16), jnp.bfloat16),) * 2 + (f((1, T, heads, 128), jnp.bfloat16),
+                                                        f((1, T, heads, K16), jnp.float32),
+                                                        f((1, T, heads), jnp.float32))
+    fn = lambda *a: pallas_chunk_kda(*a, interpret=False)  # noqa: E731
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    inter, block_v, warps = default_inter(heads)
+    assert (inter, block_v, warps) == (("two_pass", 16, 4) if heads < 128 else ("fused", 128, 8))
+    assert text.count("stablehlo.custom_call @__gpu") == 3 + len(kernels)
+    lines = {name: next(x for x in text.splitlines() if f'name = "{name}"' in x) for name in kernels}
+    assert all(f"num_warps = {warps} " in line for line in lines.values())
+    # the recurrence (first listed): one program per V block in the grid's z
+    assert f"grid_z = {128 // block_v} " in lines[kernels[0]]
 
 
 def test_block_inverse() -> None:
