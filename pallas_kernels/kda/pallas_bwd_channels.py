@@ -1,6 +1,8 @@
 """Key side of the KDA backward's gradient pass by key-channel blocks, on whole 64-row chunks.
 
-One program per (chunk, block of ``bk`` key channels), grid ``(B, H, N, K / bk)``. Everything the
+One program per (chunk, block of ``bk`` key channels), grid ``(K / bk, H, N, B)``: the channel
+block varies fastest, so the programs of one chunk run together and its ``dL``, ``dAqk``, ``dO``,
+``v_new`` and ``yu``, which each of them reads whole, come from L2 after the first. Everything the
 key side needs is per channel once the chunk's ``dL`` and ``dAqk`` exist (the chunk kernel forms
 them: ``dL = -yu v_new^T``, which contracts over V): the V-contracting sums of the block's
 channels (``dQg = dO h^T``, ``dKd = v_new dh^T``, ``A^T dW = -yu h^T``, ``dgl = sum_V h dh``,
@@ -32,7 +34,7 @@ def channel_grads_kernel(q_ref, k_ref, g_ref, b_ref, hs_ref, dhs_ref, do_ref, vn
     """Each row block of dL and dAqk is loaded when its products need it and the V sums are
     formed after the pair terms, which keeps fewer tiles live at once. ``approx``: the hardware
     exp2 (``intra_blocks.gate_exp``), for bf16 inputs on GPU."""
-    b, h, c, kb = (pl.program_id(i) for i in range(4))
+    kb, h, c, b = (pl.program_id(i) for i in range(4))
     ts = pl.ds(c * C, C)
     ks = pl.ds(kb * bk, bk)
     causal, strict = causal_masks()

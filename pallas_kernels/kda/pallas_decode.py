@@ -1,6 +1,7 @@
 """KDA decode step (one token per sequence) as a Pallas kernel that streams the fp32 state once.
 
-Per program ``(b, h, iv)`` of the grid ``(B, H, V / BV)``: load the state block ``S [K, BV]``
+Per program ``(iv, h, b)`` of the grid ``(V / BV, H, B)`` (the V block varies fastest, so
+consecutive programs stream one state's consecutive memory): load the state block ``S [K, BV]``
 (fp32) and the token's ``q, k, g [K]``, ``v [BV]``, ``beta``; then, all in registers::
 
     S <- diag(exp(g)) S
@@ -45,7 +46,7 @@ _F32 = jnp.float32
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, so_ref, *, scale, bv):
-    b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    iv, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     vs = pl.ds(iv * bv, bv)
     q = q_ref[b, h, :].astype(_F32) * scale
     k = k_ref[b, h, :].astype(_F32)
@@ -72,7 +73,7 @@ def _decode(q, k, v, g, beta, state, *, scale, interpret, block_v, num_warps):
         params = dict(compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1))
     o, s = pl.pallas_call(
         functools.partial(_decode_kernel, scale=scale, bv=bv),
-        grid=(B, H, V // bv),
+        grid=(V // bv, H, B),
         out_shape=(
             jax.ShapeDtypeStruct((B, H, V), v.dtype),
             jax.ShapeDtypeStruct((B, H, K, V), _F32),

@@ -105,7 +105,7 @@ def stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, *, scale, block_k, in
                 num_warps, num_stages):
     """Pass 3: ``(dq, dk, dv, dg, dbeta)`` in the inputs' dtypes. A chunk kernel, grid
     ``(B, H, N)``, forms dv, the chunk's [C, C] sums dAqk and dL, and ``yu = A^T dv_new``
-    (``pallas_bwd_value``); then ``pallas_bwd_channels``, grid ``(B, H, N, K / block_k)``, forms
+    (``pallas_bwd_value``); then ``pallas_bwd_channels``, grid ``(K / block_k, H, N, B)``, forms
     each block of ``block_k`` key channels' V-contracting sums and its key side, and the partial
     dbeta sums of the channel blocks are added here. The per-chunk "blocks" key side (the
     channel sums through HBM, then one program per chunk over all channels) was measured slower
@@ -126,7 +126,7 @@ def stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, *, scale, block_k, in
     dq, dk, dg, dbeta_k = pl.pallas_call(
         functools.partial(channel_grads_kernel, scale=scale, mm_dtype=mm_dtype, bk=block_k,
                           approx=approx_math(interpret, mm_dtype)),
-        grid=(B, H, n, K // block_k),
+        grid=(K // block_k, H, n, B),
         out_shape=(sds(q.shape, q.dtype), sds(k.shape, k.dtype), sds(g.shape, g.dtype),
                    sds((B, K // block_k, Tp, H), _F32)),
         interpret=interpret, name="kda_bwd_grads_channels", **params,
