@@ -305,11 +305,12 @@ def run_jax():
             save(res, out)
 
     # (shape, grads (block_k, warps, stages), parts (warps, stages), states (block_v, warps,
-    # stages)): the defaults, then the state passes at fewer warps where their blocks are narrow
-    grads = ((32, 4, 2),)  # 16 channels and 8 warps: slower (benchmarks/RESULTS.md)
+    # stages)): the defaults first. The key side's channel blocks of one chunk now run together
+    # and share its chunk sums through L2, which changes what narrower or wider blocks cost.
+    grads = ((32, 4, 2), (16, 4, 2), (16, 2, 2), (32, 8, 2), (64, 8, 2), (64, 4, 2))
     sweeps = [
-        (SHAPES[0], grads, ((8, 2),), ((128, 8, 2), (64, 8, 2))),
-        (SHAPES[1], grads, ((8, 2),), ((16, 8, 2), (16, 4, 2), (32, 4, 2))),
+        (SHAPES[0], grads, ((8, 2),), ((128, 8, 2),)),
+        (SHAPES[1], grads, ((8, 2),), ((16, 4, 2),)),
     ]
     for shape, *cfgs in [] if essentials_only else sweeps:
         try:

@@ -134,26 +134,28 @@ def stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, *, scale, block_k, in
     return dq, dk, dv, dg, (dbeta_v + jnp.sum(dbeta_k, axis=1)).astype(beta.dtype)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("scale", "block_v", "grads_block_k", "grads_warps") + _TUNING)
-def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, grads_block_k,
-         grads_warps, **tuning):
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "block_v", "states_warps", "grads_block_k", "grads_warps") + _TUNING)
+def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, states_warps,
+         grads_block_k, grads_warps, **tuning):
     A, W, U, aqk, qg, kd, gl = stage_parts(q, k, v, g, beta, scale=scale, **tuning)
-    hs, vn = stage_states(W, U, kd, gl, h0, chunk_offsets, block_v=block_v, **tuning)
+    states_tuning = {**tuning, "num_warps": states_warps}
+    hs, vn = stage_states(W, U, kd, gl, h0, chunk_offsets, block_v=block_v, **states_tuning)
     dhs, dvn, ds0 = stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets, block_v=block_v,
-                                  **tuning)
+                                  **states_tuning)
     out = stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, scale=scale,
                       block_k=grads_block_k, **{**tuning, "num_warps": grads_warps})
     return (*out, ds0)
 
 
-def default_block_v(sequence_heads: int) -> int:
-    """V block of the state recurrences: one program per (sequence, head, V block) walks all
-    chunks, so with few sequence-heads narrower blocks buy parallelism: at B1 T32768 H16 the two
-    recurrences took 1.05 + 1.42 ms at block_v 16 against 1.18 + 1.53 at 32 (two pipeline
-    stages). With many, whole 128-wide blocks at the default 8 warps: at B4 T8192 H96 1.97 +
-    2.33 ms against 2.74 + 3.24 at 64 (benchmarks/RESULTS.md, seventh run)."""
-    return 16 if sequence_heads < FEW_SEQUENCE_HEADS else 128
+def default_states(sequence_heads: int) -> tuple[int, int]:
+    """``(block_v, num_warps)`` of the two state recurrences. One program per (sequence, head,
+    V block) walks all chunks, so with few sequence-heads narrow blocks buy parallelism: at B1
+    T32768 H16 the two recurrences took 0.95 + 1.23 ms at block_v 16 and 4 warps, against 1.05 +
+    1.42 at 16 and 8 warps and 1.03 + 1.34 at 32 and 4. With many, whole 128-wide blocks at 8
+    warps: at B4 T8192 H96 1.98 + 2.34 ms against 2.77 + 3.27 at 64 (benchmarks/RESULTS.md,
+    seventh run)."""
+    return (16, 4) if sequence_heads < FEW_SEQUENCE_HEADS else (128, 8)
 
 
 def pallas_chunk_kda_bwd(
@@ -170,6 +172,7 @@ def pallas_chunk_kda_bwd(
     cu_seqlens: object | None = None,
     interpret: bool | None = None,
     block_v: int | None = None,
+    states_warps: int | None = None,
     grads_block_k: int = 32,
     num_warps: int = 8,
     num_stages: int = PIPELINE_STAGES,
@@ -180,16 +183,16 @@ def pallas_chunk_kda_bwd(
     q, k, g [B, T, H, K]; v, do [B, T, H, V]; beta [B, T, H]; initial_state, dht fp32
     [B, H, K, V] (with ``cu_seqlens``, host offsets [N + 1] of packed sequences and B == 1:
     [N, H, K, V]). Returns ``(dq, dk, dv, dg, dbeta, d initial_state)`` in the inputs' dtypes
-    (the state gradient fp32). ``interpret`` defaults to True off GPU. ``block_v``: V columns per
-    program of the two state recurrences (default ``default_block_v``); ``grads_block_k``: key
-    channels per program of the gradient pass's key side (see ``stage_grads``; the whole K where
-    it does not divide K). ``num_warps`` (the recompute and the state passes), ``grads_warps``
-    (the gradient pass) and ``num_stages`` (all; the state passes' chunk loops are the ones it
-    pipelines): the fastest measured on an H200 at B4 T8192 H96 and B1 T32768 H16
-    (benchmarks/RESULTS.md): the whole backward 36.0 / 7.8 ms (the two shapes) with 2 stages
-    against 37.5 / 8.9 with 1; the gradient pass 27.5 / 4.56 ms at grads_warps 4 and
-    grads_block_k 32, against 37.0 / 6.1 at 16 channels (and 37.5 / 6.2 at 8 warps, timed with
-    an earlier form of the kernel).
+    (the state gradient fp32). ``interpret`` defaults to True off GPU. ``block_v`` and
+    ``states_warps``: V columns per program and num_warps of the two state recurrences (default
+    ``default_states``); ``grads_block_k``: key channels per program of the gradient pass's key
+    side (see ``stage_grads``; the whole K where it does not divide K). ``num_warps`` (the
+    recompute), ``grads_warps`` (the gradient pass) and ``num_stages`` (all; the state passes'
+    chunk loops are the ones it pipelines): the fastest measured on an H200 at B4 T8192 H96 and
+    B1 T32768 H16 (benchmarks/RESULTS.md): the whole backward 36.0 / 7.8 ms (the two shapes)
+    with 2 stages against 37.5 / 8.9 with 1; the gradient pass 27.5 / 4.56 ms at grads_warps 4
+    and grads_block_k 32, against 37.0 / 6.1 at 16 channels (and 37.5 / 6.2 at 8 warps, timed
+    with an earlier form of the kernel).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -206,9 +209,10 @@ def pallas_chunk_kda_bwd(
             raise ValueError(f"cu_seqlens: packed sequences need B == 1, got q shape {q.shape}")
         layout = chunk_layout(host_offsets(cu_seqlens, T), C)
         n_states = layout.chunk_offsets.size - 1
+    default_block_v, default_warps = default_states(n_states * H)
+    states_warps = default_warps if states_warps is None else states_warps
     if block_v is None:  # a default that does not divide V falls back to all of V
-        block_v = default_block_v(n_states * H)
-        block_v = block_v if V % block_v == 0 else V
+        block_v = default_block_v if V % default_block_v == 0 else V
     block_v = min(block_v, V)
     if V % block_v:
         raise ValueError(f"block_v: V={V} is not a multiple of block_v={block_v}")
@@ -233,7 +237,7 @@ def pallas_chunk_kda_bwd(
     dq, dk, dv, dg, db, ds0 = _bwd(
         q, k, v, g, beta, initial_state.astype(_F32), do.astype(v.dtype), dht.astype(_F32),
         offsets, scale=float(scale), interpret=bool(interpret), num_warps=num_warps,
-        num_stages=num_stages, grads_warps=grads_warps, block_v=block_v,
+        num_stages=num_stages, grads_warps=grads_warps, block_v=block_v, states_warps=states_warps,
         grads_block_k=grads_block_k,
     )
     out = (dq, dk, dv, dg, db)
@@ -244,4 +248,4 @@ def pallas_chunk_kda_bwd(
     return (*out, ds0)
 
 
-__all__ = ["default_block_v", "pallas_chunk_kda_bwd"]
+__all__ = ["default_states", "pallas_chunk_kda_bwd"]

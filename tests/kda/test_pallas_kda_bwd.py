@@ -93,9 +93,10 @@ def test_packed_sequences_match_reference_autodiff() -> None:
         assert rel(a, b) <= 2e-5, name
 
 
-def test_grads_warps_reaches_only_the_gradient_kernels() -> None:
-    """``grads_warps`` sets the gradient pass's num_warps and leaves the other stages' (lowered for an
-    abstract H200 on CPU: the Triton custom calls carry their launch parameters)."""
+def test_warps_reach_only_their_stages() -> None:
+    """``grads_warps`` sets the gradient pass's num_warps, ``states_warps`` the state recurrences',
+    and the recompute keeps ``num_warps`` (lowered for an abstract H200 on CPU: the Triton custom
+    calls carry their launch parameters)."""
     import re
 
     f = jax.ShapeDtypeStruct
@@ -103,7 +104,8 @@ def test_grads_warps_reaches_only_the_gradient_kernels() -> None:
     tok, st = (1, 128, H, d), (1, H, d, d)
     args = (f(tok, jnp.bfloat16), f(tok, jnp.bfloat16), f(tok, jnp.bfloat16), f(tok, jnp.float32),
             f((1, 128, H), jnp.float32), f(st, jnp.float32), f(tok, jnp.bfloat16), f(st, jnp.float32))
-    fn = lambda *a: pallas_chunk_kda_bwd(*a, scale=d**-0.5, interpret=False, grads_warps=2)  # noqa: E731
+    fn = lambda *a: pallas_chunk_kda_bwd(  # noqa: E731
+        *a, scale=d**-0.5, interpret=False, grads_warps=2, states_warps=1)
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -111,6 +113,8 @@ def test_grads_warps_reaches_only_the_gradient_kernels() -> None:
              for line in text.splitlines() if "__gpu$xla.gpu.triton" in line}
     assert {name: w for name, w in warps.items() if "grads" in name} == {
         "kda_bwd_grads_v_chunk": 2, "kda_bwd_grads_channels": 2}
-    others = {name: w for name, w in warps.items() if "grads" not in name}
+    assert {name: w for name, w in warps.items() if "states" in name} == {
+        "kda_states": 1, "kda_bwd_dstates": 1}
+    others = {name: w for name, w in warps.items() if "grads" not in name and "states" not in name}
     assert others.pop("kda_intra_inverse") == INVERSE_WARPS  # its own launch parameter
     assert set(others.values()) == {8}  # the default
