@@ -211,6 +211,9 @@ def run_jax():
             num["first_call_bf16_fwd_bwd_s"] = round(time.time() - t, 1)
             num["ours_bf16_vs_ref"] = {n: rel(a, b) for n, a, b in zip(NAMES, got16, ref)}
             num["ours_bf16_nan"] = bool(any(jnp.isnan(a.astype(jnp.float32)).any() for a in got16))
+            # chunk_kda's gradient (the forward's X and Aqk kept) against the recomputing backward
+            rec16 = pb.pallas_chunk_kda_bwd(*bf, scale=scale)
+            num["kept_intra_vs_recompute_bf16"] = {n: rel(a, b) for n, a, b in zip(NAMES, got16, rec16)}
             if "fla_dq" in x:
                 num["fla_bf16_vs_ref"] = {n: rel(x[f"fla_d{n}"], b) for n, b in zip(NAMES, ref)}
                 num["ours_bf16_vs_fla"] = {n: rel(a, x[f"fla_d{n}"]) for n, a in zip(NAMES, got16)}
@@ -258,6 +261,13 @@ def run_jax():
             lambda *a: pallas_chunk_kda(*a[:5], scale=scale, initial_state=a[5])), args[:6]))
         attempt(r, "ours_bwd_ms", lambda: bench(
             jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale)), args))
+        # the backward as chunk_kda's gradient runs it: with the forward's X and Aqk
+        intra = jax.jit(lambda *a: pallas_chunk_kda(
+            *a[:5], scale=scale, initial_state=a[5], return_intra=True)[2])(*args[:6])
+        attempt(r, "ours_bwd_kept_intra_ms", lambda: bench(
+            jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a[:8], scale=scale, intra=a[8])),
+            args + (intra,)))
+        del intra
         for nw, gw, gbk, ns in variants:
             tag = f"ours_bwd_w{nw}_gw{gw}_gbk{gbk}_s{ns}"
             attempt(r, f"{tag}_ms", lambda nw=nw, gw=gw, gbk=gbk, ns=ns: bench(
@@ -289,6 +299,9 @@ def run_jax():
         for nw, ns in parts_cfgs:
             attempt(r, f"stage_parts_w{nw}_s{ns}_ms", lambda nw=nw, ns=ns: bench(
                 lambda *a: pb.stage_parts(*a, scale=scale, **tun(nw, ns)), (q, k, v, g, beta)))
+            attempt(r, f"stage_parts_saved_w{nw}_s{ns}_ms", lambda nw=nw, ns=ns: bench(
+                lambda *a: pb.stage_parts_saved(*a, scale=scale, **tun(nw, ns)),
+                (A, aqk, q, k, v, g, beta)))
         for bv, nw, ns in state_cfgs:
             attempt(r, f"stage_states_bv{bv}_w{nw}_s{ns}_ms", lambda bv=bv, nw=nw, ns=ns: bench(
                 lambda *a: pb.stage_states(*a, block_v=bv, **tun(nw, ns)), (W, U, kd, gl, h0)))

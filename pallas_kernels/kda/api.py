@@ -50,22 +50,27 @@ def _expect_state(name: str, x: jax.Array, expected: tuple[int, ...], layout: st
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _pallas_kda_differentiable(q, k, v, g, beta, initial_state, scale, cu_seqlens):
     """The Pallas forward, differentiable: gradients for q, k, v, g, beta and the initial state
-    from the analytic Pallas backward (``pallas_kda_bwd.py``, recomputing from the inputs), packed
-    sequences included."""
+    from the analytic Pallas backward (``pallas_kda_bwd.py``), packed sequences included. The
+    forward keeps each chunk's ``(I + L)^{-1}`` and ``Aqk`` (64 values each per token and head,
+    in the inputs' dtype, as fla's backward keeps them) so the backward recomputes only the
+    cheap rest of the intra stage."""
     return pallas_chunk_kda(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
     )
 
 
 def _pallas_kda_fwd(q, k, v, g, beta, initial_state, scale, cu_seqlens):
-    out = pallas_chunk_kda(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens
+    o, final_state, intra = pallas_chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        return_intra=True,
     )
-    return out, (q, k, v, g, beta, initial_state)
+    return (o, final_state), ((q, k, v, g, beta, initial_state), intra)
 
 
-def _pallas_kda_bwd(scale, cu_seqlens, inputs, cotangents):
-    return pallas_chunk_kda_bwd(*inputs, *cotangents, scale=scale, cu_seqlens=cu_seqlens)
+def _pallas_kda_bwd(scale, cu_seqlens, residuals, cotangents):
+    inputs, intra = residuals
+    return pallas_chunk_kda_bwd(*inputs, *cotangents, scale=scale, cu_seqlens=cu_seqlens,
+                                intra=intra)
 
 
 _pallas_kda_differentiable.defvjp(_pallas_kda_fwd, _pallas_kda_bwd)

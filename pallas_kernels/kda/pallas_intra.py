@@ -9,6 +9,9 @@
    from the stored ``L``, on one warp.
 3. ``_wu_kernel``: ``W = X bk``, ``U = X (beta v)``.
 
+The backward, when the forward kept X and Aqk, needs only the gate terms and W, U again:
+``_saved_parts_kernel`` (``intra_from_inverse``), one kernel without pair products or inverse.
+
 Why this shape: a single kernel over 16-row sub-chunks (the former "v1" stage) put ~80 small
 products through shared-memory layout changes and barriers, and at 8 warps every 16x16 tile was
 held and computed by several warps at once; it took 13.5 ms at B4 T8192 H96 where this stage and
@@ -38,17 +41,15 @@ from pallas_kernels.kda.intra_blocks import (
 _F32 = jnp.float32
 
 
-def _pairs_kernel(q_ref, k_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, lower_bound,
-                  approx):
-    gs_ref, db_ref, rest = (*rest[:2], rest[2:]) if fused else (None, None, rest)
-    l_ref, bk_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
+def _chunk_gates(q_ref, k_ref, g_ref, b_ref, qg_ref, kd_ref, gl_ref, bk_ref, *, scale, gate, l2,
+                 beta_of, exp):
+    """The chunk's gate terms: writes ``gl = e^{G_last}``, ``Kd``, ``Qg`` (and ``bk = beta k e^G``
+    when ``bk_ref`` is given) and returns ``(G, k, qs, beta [C, 1], bk)`` in fp32, G the
+    cumulative gate in ``exp``'s unit. The pair kernel and ``_saved_parts_kernel`` share it, so
+    the backward's W, U, Qg, Kd, gl are the forward's bit for bit."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ts = pl.ds(c * C, C)
     sd = qg_ref.dtype
-    # with ``approx`` G is in units of ln 2 and ``exp`` is the hardware exp2 (``gate_exp``)
-    unit, exp = gate_exp(approx)
-    gate, l2, beta_of = activations(fused, lower_bound, gs_ref, db_ref, h, approx)
-
     G = jnp.cumsum(gate(g_ref[b, ts, h, :]), axis=0)
     # G_last is G's own last row, so the last row of Kd = k e^{G_last - G} is exactly k.
     G_last = row(G, C - 1)
@@ -57,14 +58,47 @@ def _pairs_kernel(q_ref, k_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, low
     k = l2(k_ref[b, ts, h, :])
     beta = beta_of(b_ref[b, ts, h])[:, None]
     kd_ref[b, ts, h, :] = (k * exp(G_last - G)).astype(sd)
-    bk_ref[b, ts, h, :] = (beta * k * eg).astype(sd)
+    bk = beta * k * eg
+    if bk_ref is not None:
+        bk_ref[b, ts, h, :] = bk.astype(sd)
     qs = l2(q_ref[b, ts, h, :]) * scale
     qg_ref[b, ts, h, :] = (qs * eg).astype(sd)
+    return G, k, qs, beta, bk
+
+
+def _pairs_kernel(q_ref, k_ref, g_ref, b_ref, *rest, scale, mm_dtype, fused, lower_bound,
+                  approx):
+    gs_ref, db_ref, rest = (*rest[:2], rest[2:]) if fused else (None, None, rest)
+    l_ref, bk_ref, qg_ref, kd_ref, a_ref, gl_ref = rest
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ts = pl.ds(c * C, C)
+    # with ``approx`` G is in units of ln 2 and ``exp`` is the hardware exp2 (``gate_exp``)
+    unit, exp = gate_exp(approx)
+    gate, l2, beta_of = activations(fused, lower_bound, gs_ref, db_ref, h, approx)
+    G, k, qs, beta, _ = _chunk_gates(q_ref, k_ref, g_ref, b_ref, qg_ref, kd_ref, gl_ref, bk_ref,
+                                     scale=scale, gate=gate, l2=l2, beta_of=beta_of, exp=exp)
 
     causal, strict = causal_masks()
     p_kk, p_qk = pair_scores_many((k, qs), k, G, mm_dtype, unit, exp)
     l_ref[b, ts, h, :] = jnp.where(strict, beta * p_kk, 0.0)
     a_ref[b, ts, h, :] = jnp.where(causal, p_qk, 0.0).astype(a_ref.dtype)
+
+
+def _saved_parts_kernel(x_ref, q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, kd_ref,
+                        gl_ref, *, scale, mm_dtype, approx):
+    """The pair kernel's gate terms and the W/U kernel's products from a stored ``X``: what the
+    backward needs of the intra stage when the forward kept X and Aqk (pre-activated inputs)."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ts = pl.ds(c * C, C)
+    gate, l2, beta_of = activations(False, 0.0, None, None, h, approx)
+    _, _, _, beta, bk = _chunk_gates(q_ref, k_ref, g_ref, b_ref, qg_ref, kd_ref, gl_ref, None,
+                                     scale=scale, gate=gate, l2=l2, beta_of=beta_of,
+                                     exp=gate_exp(approx)[1])
+    X = x_ref[b, ts, h, :]
+    sd = w_ref.dtype  # bk rounded as the W/U kernel reads it from the pair kernel's output
+    w_ref[b, ts, h, :] = dot(X, bk.astype(sd), mm_dtype).astype(sd)
+    bv = beta * v_ref[b, ts, h, :].astype(_F32)
+    u_ref[b, ts, h, :] = dot(X, bv, mm_dtype).astype(u_ref.dtype)
 
 
 def _inverse_kernel(l_ref, x_ref, *, mm_dtype):
@@ -160,3 +194,29 @@ def intra_stage(ins, *, scale, fused, lower_bound, interpret, params, inverse_pa
     x = chunk_inverses(L, qg.dtype, interpret=interpret, params=inverse_params)
     w, u = intra_wu(x, bk, v, beta, fused=fused, interpret=interpret, params=params)
     return x, w, u, qg, kd, aqk, gl
+
+
+def intra_from_inverse(x, ins, *, scale, interpret, params):
+    """``(W, U, Qg, Kd, gl)`` of every chunk from its stored ``X`` (``_saved_parts_kernel``): the
+    intra stage without its pair products and inverse, equal to ``intra_stage``'s outputs bit for
+    bit. ``ins``: pre-activated q, k, v, g, beta."""
+    q, k, v, g, beta = ins
+    B, Tp, H, K = q.shape
+    n = Tp // C
+    mm_dtype, sd = matmul_dtypes(v)
+    sds = jax.ShapeDtypeStruct
+    return pl.pallas_call(
+        functools.partial(_saved_parts_kernel, scale=scale, mm_dtype=mm_dtype,
+                          approx=approx_math(interpret, mm_dtype)),
+        grid=(B, H, n),
+        out_shape=(
+            sds((B, Tp, H, K), sd),  # W
+            sds((B, Tp, H, v.shape[-1]), sd),  # U
+            sds((B, Tp, H, K), sd),  # Qg
+            sds((B, Tp, H, K), sd),  # Kd
+            sds((B, n, H, K), _F32),  # e^{G_last}
+        ),
+        interpret=interpret,
+        name="kda_intra_saved_parts",
+        **params,
+    )(x, q, k, v, g, beta)

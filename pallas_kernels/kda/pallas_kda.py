@@ -151,15 +151,16 @@ def _is_pow2(n: int) -> bool:
     jax.jit,
     static_argnames=(
         "scale", "interpret", "fused", "lower_bound", "block_v", "num_warps", "num_stages",
-        "intra_warps", "inverse_warps", "inter",
+        "intra_warps", "inverse_warps", "inter", "keep_intra",
     ),
 )
 def _pallas_chunk_kda(
     q, k, v, g, beta, initial_state, gate_scale, dt_bias, chunk_offsets=None, *, scale,
     interpret, fused, lower_bound, block_v, num_warps, num_stages, intra_warps, inverse_warps,
-    inter,
+    inter, keep_intra,
 ):
-    """``chunk_offsets`` (int32 [N + 1], traced) marks a chunk-aligned packed batch (B == 1)."""
+    """``chunk_offsets`` (int32 [N + 1], traced) marks a chunk-aligned packed batch (B == 1).
+    Returns ``(o, final state)``, with ``keep_intra`` also ``(X, Aqk)`` (see ``pallas_chunk_kda``)."""
     B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
     V = v.shape[-1]
     n = Tp // C
@@ -168,15 +169,16 @@ def _pallas_chunk_kda(
     params = compiler_params(interpret, num_warps, num_stages)
 
     ins = (q, k, v, g, beta) + ((gate_scale, dt_bias) if fused else ())
-    _, w, u, qg, kd, aqk, gl = intra_stage(
+    x, w, u, qg, kd, aqk, gl = intra_stage(
         ins, scale=scale, fused=fused, lower_bound=lower_bound, interpret=interpret,
         params=compiler_params(interpret, intra_warps, num_stages),
         inverse_params=compiler_params(interpret, inverse_warps, num_stages),
     )
 
+    kept = ((x, aqk),) if keep_intra else ()
     if inter == "two_pass":
         return _inter_two_pass(w, u, qg, kd, aqk, gl, initial_state, chunk_offsets, block_v=bv,
-                            out_dtype=v.dtype, interpret=interpret, params=params)
+                               out_dtype=v.dtype, interpret=interpret, params=params) + kept
     varlen = chunk_offsets is not None
     n_seq = initial_state.shape[0]
     o, ht = pl.pallas_call(
@@ -190,7 +192,7 @@ def _pallas_chunk_kda(
         name="kda_inter_state_varlen" if varlen else "kda_inter_state",
         **params,
     )(*((chunk_offsets,) if varlen else ()), w, u, qg, kd, aqk, gl, initial_state)
-    return o, ht
+    return (o, ht) + kept
 
 
 INVERSE_WARPS = 1  # the intra stage's inverse kernel (16x16 blocks): one warp, fastest of 1, 2, 4
@@ -240,7 +242,8 @@ def pallas_chunk_kda(
     intra_warps: int = INTRA_WARPS,
     inverse_warps: int = INVERSE_WARPS,
     inter: str | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    return_intra: bool = False,
+) -> tuple[jax.Array, ...]:
     """Chunked KDA forward (safe gate, pre-activated inputs; fla conventions).
 
     q, k [B, T, H, K] L2-normalised; v [B, T, H, V]; g [B, T, H, K] log-decay in [-5, 0];
@@ -253,11 +256,15 @@ def pallas_chunk_kda(
     (``_inter_two_pass``); ``block_v`` and ``num_warps`` are the inter stage's. The three default
     to ``default_inter`` for the call's number of (sequence, head) pairs. ``intra_warps``:
     num_warps of the intra stage's pair and W/U kernels; ``inverse_warps``: of its 16x16-block
-    inverse kernel.
+    inverse kernel. ``return_intra``: also return every chunk's ``(X, Aqk)`` [B, Tp, H, 64]
+    (``X = (I + L)^{-1}``, in the kernel's padded or chunk-aligned token layout and the
+    intermediates' dtype) for ``pallas_chunk_kda_bwd(..., intra=...)``, which then skips the
+    intra stage's pair products and inverse: the residuals fla's backward keeps too.
     """
     return _call(q, k, v, g, beta, None, None, scale, initial_state, interpret, False, 0.0,
                  cu_seqlens, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
-                 intra_warps=intra_warps, inverse_warps=inverse_warps, inter=inter)
+                 intra_warps=intra_warps, inverse_warps=inverse_warps, inter=inter,
+                 keep_intra=return_intra)
 
 
 def pallas_chunk_kda_fused_gate(
@@ -297,7 +304,7 @@ def pallas_chunk_kda_fused_gate(
     return _call(q, k, v, g_raw, beta_logits, gate_scale, dt, scale, initial_state, interpret,
                  True, float(lower_bound), cu_seqlens, block_v=block_v, num_warps=num_warps,
                  num_stages=num_stages, intra_warps=intra_warps, inverse_warps=inverse_warps,
-                 inter=inter)
+                 inter=inter, keep_intra=False)
 
 
 def gate_params(A_log: jax.Array, dt_bias: jax.Array, H: int, K: int) -> tuple[jax.Array, jax.Array]:
@@ -312,7 +319,7 @@ INTER_STAGES = ("fused", "two_pass")
 
 def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret, fused,
           lower_bound, cu_seqlens, *, block_v, num_warps, num_stages, intra_warps,
-          inverse_warps, inter):
+          inverse_warps, inter, keep_intra):
     B, T, H, K = q.shape
     V = v.shape[-1]
     if interpret is None:
@@ -341,7 +348,7 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         scale=scale, interpret=bool(interpret), fused=fused, lower_bound=lower_bound,
         block_v=block_v if V % block_v == 0 else V, num_warps=num_warps, num_stages=num_stages,
         intra_warps=intra_warps,
-        inverse_warps=inverse_warps, inter=inter,
+        inverse_warps=inverse_warps, inter=inter, keep_intra=keep_intra,
     )
     if cu_seqlens is not None:
         return _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens,
@@ -354,10 +361,10 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
             x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2), constant_values=c
         )
         q, k, v, g, beta = pad(q), pad(k), pad(v), pad(g, neg), pad(beta, neg)
-    o, ht = _pallas_chunk_kda(
+    o, *rest = _pallas_chunk_kda(
         q, k, v, g, beta, initial_state.astype(_F32), gate_scale, dt_bias, **kw
     )
-    return (o if Tp == T else o[:, :T]), ht
+    return ((o if Tp == T else o[:, :T]), *rest)
 
 
 def _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens, neg, kw):
@@ -379,11 +386,11 @@ def _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlen
         )
     q, k, v = (to_aligned(x, layout) for x in (q, k, v))
     g, beta = to_aligned(g, layout, neg), to_aligned(beta, layout, neg)
-    o, ht = _pallas_chunk_kda(
+    o, *rest = _pallas_chunk_kda(
         q, k, v, g, beta, initial_state.astype(_F32), gate_scale, dt_bias,
         jnp.asarray(layout.chunk_offsets), **kw
     )
-    return from_aligned(o, layout), ht
+    return (from_aligned(o, layout), *rest)
 
 
 __all__ = ["LOWER_BOUND_MIN", "default_inter", "pallas_chunk_kda", "pallas_chunk_kda_fused_gate"]

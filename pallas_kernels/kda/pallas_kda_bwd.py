@@ -5,7 +5,9 @@ the entry point; kernel bodies in ``pallas_states.py``, ``pallas_bwd_value.py``,
 ``pallas_bwd_channels.py``):
 
 1. ``stage_parts``, grid ``(B, H, N)``, parallel: recompute the chunk's A = (I + L)^{-1}, W, U,
-   Aqk, Qg, Kd and decay gl from q, k, v, g, beta with the forward's own intra stage.
+   Aqk, Qg, Kd and decay gl from q, k, v, g, beta with the forward's own intra stage; or, when
+   the forward kept A and Aqk (``intra=``, what ``chunk_kda``'s gradient does),
+   ``stage_parts_saved``: only the gate terms and W, U, in one kernel.
 2. ``stage_states`` / ``stage_dstates``, grid ``(S, H, V / BV)``: the forward state recurrence
    again (storing every chunk's input state ``h`` and ``v_new``), then the reverse one for ``dh``
    and ``dv_new``, with the state on chip; the reverse one's last value is the initial state's
@@ -23,7 +25,7 @@ Packed sequences (``cu_seqlens``) run on the forward's chunk-aligned layout
 (``varlen_layout.py``); the two recurrences then loop over one sequence's chunk range per program,
 from and into that sequence's state, and the per-chunk passes run unchanged.
 
-Nothing comes from the forward pass: residuals are the inputs, everything else is recomputed.
+Residuals are the inputs and, when given, the forward's A and Aqk; everything else is recomputed.
 Intermediates are stored in the input dtype (bf16 in training, like fla's backward), states and
 accumulation in fp32; fp32 inputs keep everything fp32 with IEEE matmuls (what the tests use).
 Requires the safe gate, ``g >= -5`` (see ``chunk_math.py``).
@@ -41,7 +43,7 @@ from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.intra_blocks import approx_math
 from pallas_kernels.kda.pallas_bwd_channels import channel_grads_kernel
 from pallas_kernels.kda.pallas_bwd_value import chunk_sums_kernel
-from pallas_kernels.kda.pallas_intra import intra_stage
+from pallas_kernels.kda.pallas_intra import intra_from_inverse, intra_stage
 from pallas_kernels.kda.pallas_kda import (
     FEW_SEQUENCE_HEADS, INVERSE_WARPS, PIPELINE_STAGES, compiler_params, matmul_dtypes,
 )
@@ -66,6 +68,17 @@ def stage_parts(q, k, v, g, beta, *, scale, interpret, num_warps, num_stages):
         params=compiler_params(interpret, num_warps, num_stages),
         inverse_params=compiler_params(interpret, INVERSE_WARPS, num_stages),
     )
+    return A, W, U, aqk, qg, kd, gl
+
+
+@functools.partial(jax.jit, static_argnames=("scale",) + _TUNING)
+def stage_parts_saved(A, aqk, q, k, v, g, beta, *, scale, interpret, num_warps, num_stages):
+    """Pass 1 when the forward kept ``A`` and ``Aqk`` (``pallas_chunk_kda(return_intra=True)``):
+    the same ``(A, W, U, Aqk, Qg, Kd, gl)`` as ``stage_parts``, bit for bit, from one kernel
+    without the pair products and the inverse (``pallas_intra.intra_from_inverse``)."""
+    W, U, qg, kd, gl = intra_from_inverse(
+        A, (q, k, v, g, beta), scale=scale, interpret=interpret,
+        params=compiler_params(interpret, num_warps, num_stages))
     return A, W, U, aqk, qg, kd, gl
 
 
@@ -136,9 +149,13 @@ def stage_grads(q, k, v, g, beta, A, hs, dhs, do, dvn, vn, *, scale, block_k, in
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "block_v", "states_warps", "grads_block_k", "grads_warps") + _TUNING)
-def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, *, scale, block_v, states_warps,
+def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, intra, *, scale, block_v, states_warps,
          grads_block_k, grads_warps, **tuning):
-    A, W, U, aqk, qg, kd, gl = stage_parts(q, k, v, g, beta, scale=scale, **tuning)
+    if intra is None:
+        A, W, U, aqk, qg, kd, gl = stage_parts(q, k, v, g, beta, scale=scale, **tuning)
+    else:
+        A, W, U, aqk, qg, kd, gl = stage_parts_saved(*intra, q, k, v, g, beta, scale=scale,
+                                                     **tuning)
     states_tuning = {**tuning, "num_warps": states_warps}
     hs, vn = stage_states(W, U, kd, gl, h0, chunk_offsets, block_v=block_v, **states_tuning)
     dhs, dvn, ds0 = stage_dstates(qg, W, aqk, kd, gl, do, dht, chunk_offsets, block_v=block_v,
@@ -177,6 +194,7 @@ def pallas_chunk_kda_bwd(
     num_warps: int = 8,
     num_stages: int = PIPELINE_STAGES,
     grads_warps: int = 4,
+    intra: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, ...]:
     """Gradients of ``pallas_chunk_kda``'s ``(o, final_state)`` (safe gate, fla conventions).
 
@@ -192,7 +210,9 @@ def pallas_chunk_kda_bwd(
     B1 T32768 H16 (benchmarks/RESULTS.md): the whole backward 36.0 / 7.8 ms (the two shapes)
     with 2 stages against 37.5 / 8.9 with 1; the gradient pass 27.5 / 4.56 ms at grads_warps 4
     and grads_block_k 32, against 37.0 / 6.1 at 16 channels (and 37.5 / 6.2 at 8 warps, timed
-    with an earlier form of the kernel).
+    with an earlier form of the kernel). ``intra``: the ``(X, Aqk)`` that
+    ``pallas_chunk_kda(..., return_intra=True)`` returned for these inputs; the backward then
+    skips recomputing the pair products and the inverse (6.0 of 33 ms at B4 T8192 H96).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -234,9 +254,17 @@ def pallas_chunk_kda_bwd(
     for name, x in (("initial_state", initial_state), ("dht", dht)):
         if tuple(x.shape) != (n_states, H, K, V):
             raise ValueError(f"{name}: expected shape {(n_states, H, K, V)}, got {tuple(x.shape)}")
+    if intra is not None:
+        expected = (q.shape[0], q.shape[1], H, C)
+        for name, x in zip(("intra[0] (X)", "intra[1] (Aqk)"), intra):
+            if tuple(x.shape) != expected:
+                raise ValueError(
+                    f"{name}: expected shape {expected} [B, T padded to chunks (or the packed "
+                    f"chunk-aligned layout), H, {C}] as pallas_chunk_kda(return_intra=True) "
+                    f"returns it, got {tuple(x.shape)}")
     dq, dk, dv, dg, db, ds0 = _bwd(
         q, k, v, g, beta, initial_state.astype(_F32), do.astype(v.dtype), dht.astype(_F32),
-        offsets, scale=float(scale), interpret=bool(interpret), num_warps=num_warps,
+        offsets, intra, scale=float(scale), interpret=bool(interpret), num_warps=num_warps,
         num_stages=num_stages, grads_warps=grads_warps, block_v=block_v, states_warps=states_warps,
         grads_block_k=grads_block_k,
     )

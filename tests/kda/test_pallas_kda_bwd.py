@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_chunk_backward import NAMES, H, K, V, make_case, rel
+from test_chunk_backward import NAMES, B, H, K, V, make_case, rel
 
 from pallas_kernels.kda.chunk_backward import chunk_kda_bwd
-from pallas_kernels.kda.pallas_kda import INVERSE_WARPS
+from pallas_kernels.kda.pallas_kda import INVERSE_WARPS, pallas_chunk_kda
 from pallas_kernels.kda.pallas_kda_bwd import pallas_chunk_kda_bwd
 from pallas_kernels.kda.reference import chunked_kda
 
@@ -118,3 +118,78 @@ def test_warps_reach_only_their_stages() -> None:
     others = {name: w for name, w in warps.items() if "grads" not in name and "states" not in name}
     assert others.pop("kda_intra_inverse") == INVERSE_WARPS  # its own launch parameter
     assert set(others.values()) == {8}  # the default
+
+
+def _kept_intra(args: tuple, cu_seqlens=None) -> tuple:
+    """The forward's ``(X, Aqk)`` for these backward arguments."""
+    *_, intra = pallas_chunk_kda(*args[:5], scale=K**-0.5, initial_state=args[5],
+                                 cu_seqlens=cu_seqlens, interpret=True, return_intra=True)
+    return intra
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_intra_from_the_forward_changes_nothing(dtype) -> None:
+    """With the forward's X and Aqk the backward skips the pair products and the inverse; its
+    one kernel for the rest of the intra stage makes the same values bit for bit, so every
+    gradient is identical to the recomputing backward's (T = 130: a padded last chunk)."""
+    x = make_case(130, seed=5)
+    args = tuple(a.astype(dtype) if i in (0, 1, 2, 3, 4, 6) else a
+                 for i, a in enumerate(_args(x, True)))
+    intra = _kept_intra(args)
+    assert all(a.shape == (B, 192, H, 64) and a.dtype == dtype for a in intra)
+    kw = dict(scale=K**-0.5, interpret=True, block_v=8, grads_block_k=8)
+    got = pallas_chunk_kda_bwd(*args, intra=intra, **kw)
+    want = pallas_chunk_kda_bwd(*args, **kw)
+    for name, a, b in zip(NAMES, got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def test_intra_from_the_forward_packed_sequences() -> None:
+    """Packed sequences: X and Aqk come in the chunk-aligned layout and are used as they come."""
+    lens = [5, 64, 70]
+    cu = np.cumsum([0, *lens])
+    x = make_case(sum(lens), seed=9)
+    x = {n: (a[:1] if n in ("q", "k", "v", "g", "beta", "do") else a) for n, a in x.items()}
+    rng = np.random.default_rng(11)
+    s0, dht = (jnp.asarray(rng.standard_normal((len(lens), H, K, V)), jnp.float32) for _ in "ab")
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], s0, x["do"], dht)
+    intra = _kept_intra(args, cu)
+    assert intra[0].shape == (1, 64 * 4, H, 64)  # chunks of 5, 64, 70 tokens: 1 + 1 + 2
+    kw = dict(scale=K**-0.5, cu_seqlens=cu, interpret=True, block_v=8, grads_block_k=8)
+    got = pallas_chunk_kda_bwd(*args, intra=intra, **kw)
+    want = pallas_chunk_kda_bwd(*args, **kw)
+    for name, a, b in zip(NAMES, got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def test_intra_shape_is_checked() -> None:
+    args = _args(make_case(65, seed=0), True)
+    intra = _kept_intra(args)
+    with pytest.raises(ValueError, match=r"^intra\[1\] \(Aqk\): expected shape \(2, 128, "):
+        pallas_chunk_kda_bwd(*args, scale=1.0, interpret=True, intra=(intra[0], intra[1][:, :64]))
+
+
+def test_kept_intra_lowers_without_a_second_pair_kernel() -> None:
+    """Forward with ``return_intra`` and backward with ``intra``, lowered for an abstract H200:
+    the pair and inverse kernels run once (in the forward); the backward's intra stage is the
+    one ``kda_intra_saved_parts`` kernel."""
+    import re
+
+    f = jax.ShapeDtypeStruct
+    d = 32
+    tok, st = (1, 128, H, d), (1, H, d, d)
+    args = (f(tok, jnp.bfloat16), f(tok, jnp.bfloat16), f(tok, jnp.bfloat16), f(tok, jnp.float32),
+            f((1, 128, H), jnp.float32), f(st, jnp.float32), f(tok, jnp.bfloat16), f(st, jnp.float32))
+
+    def fwd_bwd(q, k, v, g, beta, s0, do, dht):
+        *_, intra = pallas_chunk_kda(q, k, v, g, beta, initial_state=s0, interpret=False,
+                                     return_intra=True)
+        return pallas_chunk_kda_bwd(q, k, v, g, beta, s0, do, dht, scale=d**-0.5,
+                                    interpret=False, intra=intra)
+
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
+        text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    names = re.findall(r'name = "(kda_[a-z_]+)"', text)
+    assert names.count("kda_intra_pairs") == 1 and names.count("kda_intra_inverse") == 1
+    assert names.count("kda_intra_wu") == 1 and names.count("kda_intra_saved_parts") == 1
