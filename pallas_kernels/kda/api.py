@@ -185,6 +185,9 @@ def chunk_kda(
     ``lower_bound`` (K3: -5.0) declares ``g >= lower_bound`` everywhere (the safe gate); it is
     what allows ``implementation="pallas"`` (and "auto" to pick it on GPU). It is not checked
     against the traced ``g``; a violating gate can overflow the kernel's midpoint factorisation.
+    Differentiable on every path; under ``jax.grad`` the Pallas path keeps, besides the inputs,
+    each chunk's ``(I + L)^{-1}`` and ``Aqk`` from the forward (2 x 64 values per token and head
+    in the inputs' dtype) for its backward.
     """
     _expect_rank("q", q, 4, "[B, T, H, K]")
     B, T, H, K = q.shape

@@ -21,10 +21,10 @@ g [B, H, K] log-decay, beta [B, H], state fp32 [B, H, K, V], scale default ``K**
 Backend: the Pallas-Triton lowering on GPU (K and BV powers of two >= 16), ``interpret=True``
 (the default off GPU) elsewhere, as in ``pallas_kda.py``.
 
-Measured on one H200 (2026-11-29, benchmarks/RESULTS.md): H=96, K=V=128, fp32 state, bf16 q/k/v,
-N = 1 / 64 / 256 sequences: 0.016 / 0.251 / 0.922 ms per step (block_v 64, 4 warps; 3.2-3.5 TB/s
-of state traffic at N >= 64), vs fla ``fused_recurrent_kda`` in the same job 0.019 / 0.210 /
-0.892 ms; the XLA reference 0.024 / 0.342 / 1.26 ms. The state is updated in place only when
+Measured on one H200 (benchmarks/RESULTS.md): H=96, K=V=128, fp32 state, bf16 q/k/v, N = 64 /
+256 sequences: 0.242 / 0.877 ms per step (block_v 64, 4 warps; 3.33 / 3.67 TB/s of state traffic),
+vs fla ``fused_recurrent_kda`` in the same job 0.211 / 0.900 ms; the XLA reference 0.34 / 1.26
+ms. With the batch as the fastest grid axis (before) N = 256 took 0.922 ms. The state is updated in place only when
 the caller's buffer can be donated: ``donate_state=True`` here, or a donated state inside the
 caller's own ``jit``; otherwise XLA copies it first (the result is the same).
 """

@@ -210,11 +210,12 @@ def default_inter(sequence_heads: int) -> tuple[str, int, int]:
 
     The inter stage has one program per (sequence, head, V block), each walking all chunks. With
     many sequence-heads (B4 T8192 H96: 384) the fused kernel on whole 128-wide blocks fills the
-    GPU: 9.43 ms against 11.14 for the two-pass stage at block_v 32. With few, parallelism is
-    what counts: the two-pass stage (a lighter serial loop, o formed afterwards for all chunks at
-    once) at block_v 16 and 4 warps took 2.23 ms at B1 T32768 H16 (16 sequence-heads; fused at
-    block_v 32: 2.59, fla 2.24) and 2.65 ms at B1 T8192 H96 (96; fused at 128: 2.68, at 32:
-    3.08). The threshold lies between 96 and 384 and is not itself measured.
+    GPU: 9.42-9.43 ms against 10.88 for the two-pass stage at block_v 32 and 4 warps. With few,
+    parallelism is what counts: the two-pass stage (a lighter serial loop, o formed afterwards
+    for all chunks at once) at block_v 16 and 4 warps took 2.23-2.28 ms at B1 T32768 H16 (16
+    sequence-heads; fused at block_v 32: 2.59, fla 2.24) and 2.65-2.68 ms at B1 T8192 H96 (96;
+    fused at 128: 2.68-2.70 in the same three jobs, at 32: 3.08). The threshold lies between 96
+    and 384 and is not itself measured.
     """
     if sequence_heads < FEW_SEQUENCE_HEADS:
         return "two_pass", 16, 4

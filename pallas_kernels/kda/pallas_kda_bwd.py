@@ -207,12 +207,13 @@ def pallas_chunk_kda_bwd(
     side (see ``stage_grads``; the whole K where it does not divide K). ``num_warps`` (the
     recompute), ``grads_warps`` (the gradient pass) and ``num_stages`` (all; the state passes'
     chunk loops are the ones it pipelines): the fastest measured on an H200 at B4 T8192 H96 and
-    B1 T32768 H16 (benchmarks/RESULTS.md): the whole backward 36.0 / 7.8 ms (the two shapes)
-    with 2 stages against 37.5 / 8.9 with 1; the gradient pass 27.5 / 4.56 ms at grads_warps 4
-    and grads_block_k 32, against 37.0 / 6.1 at 16 channels (and 37.5 / 6.2 at 8 warps, timed
-    with an earlier form of the kernel). ``intra``: the ``(X, Aqk)`` that
+    B1 T32768 H16 (benchmarks/RESULTS.md): the whole backward 36.0 / 7.8 ms (the two shapes,
+    before the seventh run) with 2 stages against 37.5 / 8.9 with 1; the gradient pass 22.7 / 3.8
+    ms at grads_warps 4 and grads_block_k 32, against 30.6 / 5.3 at 16 channels, 37.5 / 6.2 at 8
+    warps and 34.0 / 5.7 at 64 channels and 8 warps. ``intra``: the ``(X, Aqk)`` that
     ``pallas_chunk_kda(..., return_intra=True)`` returned for these inputs; the backward then
-    skips recomputing the pair products and the inverse (6.0 of 33 ms at B4 T8192 H96).
+    recomputes the rest of the intra stage in one kernel (2.8 ms at B4 T8192 H96) instead of
+    all of it (6.1 ms): 29.7 against 33.3 ms for the whole backward.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
