@@ -22,11 +22,12 @@ Backend: the Pallas-Triton lowering on GPU (K and BV powers of two >= 16), ``int
 (the default off GPU) elsewhere, as in ``pallas_kda.py``.
 
 Measured on one H200 (benchmarks/RESULTS.md): H=96, K=V=128, fp32 state, bf16 q/k/v, N = 64 /
-256 sequences: 0.242 / 0.877 ms per step (block_v 64, 4 warps; 3.33 / 3.67 TB/s of state traffic),
-vs fla ``fused_recurrent_kda`` in the same job 0.211 / 0.900 ms; the XLA reference 0.34 / 1.26
-ms. With the batch as the fastest grid axis (before) N = 256 took 0.922 ms. The state is updated in place only when
-the caller's buffer can be donated: ``donate_state=True`` here, or a donated state inside the
-caller's own ``jit``; otherwise XLA copies it first (the result is the same).
+256 sequences: 0.242 / 0.877 ms per step (block_v 64, 4 warps; 3.33 / 3.67 TB/s of state
+traffic), vs fla ``fused_recurrent_kda`` in the same job 0.211 / 0.900 ms; the XLA reference
+0.34 / 1.26 ms. With the batch as the fastest grid axis N = 256 took 0.922 ms. The state is
+updated in place only when the caller's buffer can be donated: ``donate_state=True`` here, or a
+donated state inside the caller's own ``jit``; otherwise XLA copies it first (the result is the
+same).
 """
 
 from __future__ import annotations

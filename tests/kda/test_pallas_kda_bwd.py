@@ -74,20 +74,25 @@ def test_validates_block_v() -> None:
         pallas_chunk_kda_bwd(*args[:7], args[7][:1], scale=1.0, interpret=True)
 
 
-def test_packed_sequences_match_reference_autodiff() -> None:
-    """cu_seqlens: per-sequence recurrences on the chunk-aligned layout, one state per sequence."""
+def _packed_case(seed: int) -> tuple[tuple, np.ndarray]:
+    """Backward arguments of three packed sequences (5, 64 and 70 tokens) and their offsets."""
     lens = [5, 64, 70]
     cu = np.cumsum([0, *lens])
     x = make_case(sum(lens), seed=9)
-    x = {n: (a[:1] if n in ("q", "k", "v", "g", "beta", "do") else a) for n, a in x.items()}
-    rng = np.random.default_rng(10)
+    rng = np.random.default_rng(seed)
     s0, dht = (jnp.asarray(rng.standard_normal((len(lens), H, K, V)), jnp.float32) for _ in "ab")
-    args = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    q, k, v, g, beta, do = (x[n][:1] for n in ("q", "k", "v", "g", "beta", "do"))
+    return (q, k, v, g, beta, s0, do, dht), cu
+
+
+def test_packed_sequences_match_reference_autodiff() -> None:
+    """cu_seqlens: per-sequence recurrences on the chunk-aligned layout, one state per sequence."""
+    args, cu = _packed_case(seed=10)
     _, vjp = jax.vjp(lambda *a: chunked_kda(*a[:5], scale=K**-0.5, initial_state=a[5],
-                                            cu_seqlens=cu), *args, s0)
-    want = vjp((x["do"], dht))
-    got = pallas_chunk_kda_bwd(*args, s0, x["do"], dht, scale=K**-0.5, cu_seqlens=cu,
-                               interpret=True, block_v=8, grads_block_k=8)
+                                            cu_seqlens=cu), *args[:6])
+    want = vjp(args[6:])
+    got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, cu_seqlens=cu, interpret=True, block_v=8,
+                               grads_block_k=8)
     for name, a, b in zip(NAMES, got, want):
         assert a.shape == b.shape, name
         assert rel(a, b) <= 2e-5, name
@@ -146,13 +151,7 @@ def test_intra_from_the_forward_changes_nothing(dtype) -> None:
 
 def test_intra_from_the_forward_packed_sequences() -> None:
     """Packed sequences: X and Aqk come in the chunk-aligned layout and are used as they come."""
-    lens = [5, 64, 70]
-    cu = np.cumsum([0, *lens])
-    x = make_case(sum(lens), seed=9)
-    x = {n: (a[:1] if n in ("q", "k", "v", "g", "beta", "do") else a) for n, a in x.items()}
-    rng = np.random.default_rng(11)
-    s0, dht = (jnp.asarray(rng.standard_normal((len(lens), H, K, V)), jnp.float32) for _ in "ab")
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], s0, x["do"], dht)
+    args, cu = _packed_case(seed=11)
     intra = _kept_intra(args, cu)
     assert intra[0].shape == (1, 64 * 4, H, 64)  # chunks of 5, 64, 70 tokens: 1 + 1 + 2
     kw = dict(scale=K**-0.5, cu_seqlens=cu, interpret=True, block_v=8, grads_block_k=8)
