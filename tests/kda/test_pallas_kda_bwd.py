@@ -19,7 +19,7 @@ from test_chunk_backward import NAMES, B, H, K, V, make_case, rel
 
 from pallas_kernels.kda.chunk_backward import chunk_kda_bwd
 from pallas_kernels.kda.pallas_kda import INVERSE_WARPS, pallas_chunk_kda
-from pallas_kernels.kda.pallas_kda_bwd import pallas_chunk_kda_bwd
+from pallas_kernels.kda.pallas_kda_bwd import default_states, pallas_chunk_kda_bwd
 from pallas_kernels.kda.reference import chunked_kda
 
 
@@ -192,3 +192,24 @@ def test_kept_intra_lowers_without_a_second_pair_kernel() -> None:
     names = re.findall(r'name = "(kda_[a-z_]+)"', text)
     assert names.count("kda_intra_pairs") == 1 and names.count("kda_intra_inverse") == 1
     assert names.count("kda_intra_wu") == 1 and names.count("kda_intra_saved_parts") == 1
+
+
+@pytest.mark.parametrize("heads", [2, 128])
+def test_default_states_by_sequence_heads(heads: int) -> None:
+    """Without ``block_v`` / ``states_warps`` the state recurrences take ``default_states``: narrow
+    blocks at 4 warps for few (sequence, head) pairs, whole 128-wide ones at 8 for many (checked on
+    the Triton IR lowered for an abstract H200)."""
+    f = jax.ShapeDtypeStruct
+    tok, val, st = (1, 64, heads, 16), (1, 64, heads, 128), (1, heads, 16, 128)
+    args = (f(tok, jnp.bfloat16), f(tok, jnp.bfloat16), f(val, jnp.bfloat16), f(tok, jnp.float32),
+            f((1, 64, heads), jnp.float32), f(st, jnp.float32), f(val, jnp.bfloat16),
+            f(st, jnp.float32))
+    fn = lambda *a: pallas_chunk_kda_bwd(*a, scale=0.25, interpret=False)  # noqa: E731
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    block_v, warps = default_states(heads)
+    assert (block_v, warps) == ((16, 4) if heads < 128 else (128, 8))
+    for name in ("kda_states", "kda_bwd_dstates"):
+        line = next(x for x in text.splitlines() if f'name = "{name}"' in x)
+        assert f"num_warps = {warps} " in line and f"grid_z = {128 // block_v} " in line, name
