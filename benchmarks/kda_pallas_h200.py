@@ -267,8 +267,8 @@ def run_stages():
             wu = jax.jit(lambda x, bk, v, b, w=warps: intra_wu(
                 x, bk, v, b, fused=True, interpret=False, params=compiler_params(False, w, 1)))
             r[f"wu_w{warps}_ms"] = round(median_ms(wu, x, bk, v, beta, reps=5, inner=10), 4)
-        f = jax.jit(lambda *a: pallas_chunk_kda_fused_gate(*a, lower_bound=LB, block_v=128))
-        r["whole_bv128_ms"] = round(
+        f = jax.jit(lambda *a: pallas_chunk_kda_fused_gate(*a, lower_bound=LB))
+        r["whole_ms"] = round(
             median_ms(f, q, k, v, g, beta, A_log, dt_bias, reps=5, inner=10), 4)
         res[f"B{B}_T{T}_H{H}"] = r
         print(B, T, H, r, flush=True)

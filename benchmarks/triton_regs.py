@@ -54,7 +54,9 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
-from pallas_kernels.kda.pallas_kda import pallas_chunk_kda_fused_gate
+from pallas_kernels.kda.pallas_kda import (
+    FEW_SEQUENCE_HEADS, default_inter, pallas_chunk_kda_fused_gate,
+)
 from pallas_kernels.kda.pallas_kda_bwd import pallas_chunk_kda_bwd
 from pallas_kernels.moe.pallas_grouped_gemm import grouped_gate_up_situ, grouped_matmul
 
@@ -196,19 +198,22 @@ LOWER_BOUND = -5.0
 sds = jax.ShapeDtypeStruct
 
 
-def _kda_fwd(block_v: int, warps: int | None) -> tuple[Callable, tuple]:
-    """K3's forward call: raw bf16 q, k, gate and beta logits, activations fused in the kernel."""
+def _kda_fwd(sequence_heads: int, warps: int | None) -> tuple[Callable, tuple]:
+    """K3's forward call: raw bf16 q, k, gate and beta logits, activations fused in the kernel,
+    with the inter stage ``default_inter`` picks for ``sequence_heads`` (the kernels themselves do
+    not depend on B, T, H); ``warps``: the inter stage's, instead of its default."""
     tokens = (KDA_B, KDA_T, KDA_H, KDA_D)
     args = (sds(tokens, jnp.bfloat16),) * 4 + (
         sds((KDA_B, KDA_T, KDA_H), jnp.bfloat16),
         sds((KDA_H,), jnp.float32),
         sds((KDA_H * KDA_D,), jnp.float32),
     )
-    tuning = {} if warps is None else dict(num_warps=warps)
+    inter, block_v, default_warps = default_inter(sequence_heads)
 
     def fn(*a: jax.Array) -> tuple[jax.Array, jax.Array]:
         return pallas_chunk_kda_fused_gate(*a, lower_bound=LOWER_BOUND, interpret=False,
-                                           block_v=block_v, **tuning)
+                                           inter=inter, block_v=block_v,
+                                           num_warps=warps or default_warps)
 
     return fn, args
 
@@ -241,7 +246,8 @@ def _moe_down() -> tuple[Callable, tuple]:
 
 
 CASES: dict[str, Callable[[int | None], tuple[Callable, tuple]]] = {
-    "kda_fwd": lambda warps: _kda_fwd(128, warps),
+    "kda_fwd": lambda warps: _kda_fwd(FEW_SEQUENCE_HEADS, warps),  # many sequence-heads
+    "kda_fwd_few_heads": lambda warps: _kda_fwd(1, warps),
     "kda_bwd": lambda _warps: _kda_bwd(),
     "moe_gate_up": lambda _warps: _moe_gate_up(),
     "moe_down": lambda _warps: _moe_down(),
@@ -253,12 +259,12 @@ def main() -> None:
     parser.add_argument("cases", nargs="*", metavar="case",
                         help=f"any of {', '.join(CASES)} (default: all)")
     parser.add_argument("--warps", type=int, help="num_warps for the cases whose public function "
-                        "takes it (kda_fwd); the others keep their own")
+                        "takes it (kda_fwd, kda_fwd_few_heads: the inter stage's); the others keep their own")
     opts = parser.parse_args()
     unknown = sorted(set(opts.cases) - set(CASES))
     if unknown:
         parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
-    header = (f"{'case':<14} {'kernel':<28} {'warps':>5} {'regs':>5} {'spill st':>9} {'spill ld':>9} "
+    header = (f"{'case':<17} {'kernel':<28} {'warps':>5} {'regs':>5} {'spill st':>9} {'spill ld':>9} "
               f"{'smem':>7}")
     print(header)
     print("-" * len(header))
@@ -266,7 +272,7 @@ def main() -> None:
         fn, args = CASES[case](opts.warps)
         for kernel in triton_kernels(fn, args):
             u = usage(kernel)
-            print(f"{case:<14} {kernel.name:<28} {kernel.num_warps:>5} {u.registers:>5} "
+            print(f"{case:<17} {kernel.name:<28} {kernel.num_warps:>5} {u.registers:>5} "
                   f"{u.spill_stores:>9} {u.spill_loads:>9} {u.shared_bytes:>7}", flush=True)
 
 

@@ -74,7 +74,7 @@ from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.chunk_math import dot as _dot
 from pallas_kernels.kda.intra_blocks import compiler_params, matmul_dtypes
 from pallas_kernels.kda.pallas_intra import intra_stage
-from pallas_kernels.kda.pallas_states import state_pass
+from pallas_kernels.kda.pallas_states import sequence_chunks, state_pass
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
@@ -83,15 +83,12 @@ LOWER_BOUND_MIN = -5.0
 
 
 def _inter_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
-    """Program (s, h, iv) runs the chunks of sequence s. Batched: row s, chunks 0..n_chunks.
-    ``varlen``: one packed chunk-aligned row; the leading int32 ref holds chunk offsets [N + 1], so
-    sequence s starts from its own initial state and never sees another sequence's chunks."""
-    if varlen:
-        cu_ref, w_ref, u_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o_ref, ht_ref = refs
-    else:
-        w_ref, u_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o_ref, ht_ref = refs
-    s, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    b, c_begin, c_end = (0, cu_ref[s], cu_ref[s + 1]) if varlen else (s, 0, n_chunks)
+    """Program (s, h, iv) runs the chunks of sequence s (``pallas_states.sequence_chunks``), so
+    with ``varlen`` sequence s starts from its own initial state and never sees another
+    sequence's chunks."""
+    refs, s, b, c_begin, c_end = sequence_chunks(refs, n_chunks, varlen)
+    w_ref, u_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o_ref, ht_ref = refs
+    h, iv = pl.program_id(1), pl.program_id(2)
     vs = pl.ds(iv * bv, bv)
 
     def body(c, S):
@@ -123,7 +120,7 @@ def _output_kernel(qg_ref, a_ref, hs_ref, vn_ref, o_ref, *, mm_dtype):
 
 
 def _inter_two_pass(w, u, qg, kd, aqk, gl, h0, chunk_offsets, *, block_v, out_dtype, interpret,
-                 params):
+                    params):
     """``(o, final state)`` in two kernels: the state recurrence alone (``pallas_states``), which
     stores every chunk's input state, then ``_output_kernel`` over all chunks at once. The serial
     loop then makes two products per chunk instead of four, for an HBM round trip of the

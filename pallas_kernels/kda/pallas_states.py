@@ -26,7 +26,7 @@ from pallas_kernels.kda.chunk_math import C, dot
 _F32 = jnp.float32
 
 
-def _sequence(refs: tuple, n_chunks: int, varlen: bool):
+def sequence_chunks(refs: tuple, n_chunks: int, varlen: bool):
     """Program (s, h, iv) runs the chunks of sequence s: batch row s, chunks [0, n_chunks); or with
     ``varlen`` the packed row 0, chunks [cu[s], cu[s + 1]) read from the leading int32 ref."""
     s = pl.program_id(0)
@@ -37,7 +37,7 @@ def _sequence(refs: tuple, n_chunks: int, varlen: bool):
 
 
 def states_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
-    refs, s, b, c0, c1 = _sequence(refs, n_chunks, varlen)
+    refs, s, b, c0, c1 = sequence_chunks(refs, n_chunks, varlen)
     w_ref, u_ref, kd_ref, gl_ref, h0_ref, hs_ref, vn_ref, ht_ref = refs
     h, iv = pl.program_id(1), pl.program_id(2)
     vs = pl.ds(iv * bv, bv)
@@ -73,7 +73,7 @@ def state_pass(W, U, kd, gl, h0, chunk_offsets, *, block_v, mm_dtype, store_dtyp
 
 
 def dstates_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
-    refs, s, b, c0, c1 = _sequence(refs, n_chunks, varlen)
+    refs, s, b, c0, c1 = sequence_chunks(refs, n_chunks, varlen)
     qg_ref, w_ref, aqk_ref, kd_ref, gl_ref, do_ref, dht_ref, dhs_ref, dvn_ref, ds0_ref = refs
     h, iv = pl.program_id(1), pl.program_id(2)
     vs = pl.ds(iv * bv, bv)

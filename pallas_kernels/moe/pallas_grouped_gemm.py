@@ -339,8 +339,8 @@ def grouped_gate_up_situ(
     cfg: None picks `gate_up_config(M, E, packed)`. approx_situ: the epilogue's two tanh terms use the hardware
     tanh.approx.f32 and its sigmoid ex2.approx / rcp.approx (GPU only; interpret mode always runs the exact
     ops). The tanh alone was ~6% faster on the H200 at K3 shapes with the same error against an fp32 reference
-    (1.66e-3, dominated by the bf16 output); the sigmoid takes the epilogue from ~2,240 to ~1,340 SASS
-    instructions per thread offline and is not yet timed. Pass False for the libdevice ops. (Stages 3 vs 4
+    (1.66e-3, dominated by the bf16 output); with the sigmoid too the kernel ran 520.7 against 494.5 TFLOP/s
+    exact, in one job (benchmarks/RESULTS.md, seventh run). Pass False for the libdevice ops. (Stages 3 vs 4
     differ by less than run-to-run noise, about 3%.)
     x_fragment_order: x's columns are x[:, mxfp4_order.fragment_order(K, cfg.block_k)] (MXFP4 weights only);
     the weight tiles are then decoded in that order, sparing the byte-by-byte gather of the packed codes.

@@ -17,17 +17,14 @@ import pytest
 from pallas_kernels import ptx_math
 from pallas_kernels.kda import chunk_math, intra_blocks
 from pallas_kernels.kda.chunk_math import C, causal_masks, key_grads_from_sums, row_block
+from tests.kda.kda_cases import rel
+
 
 @pytest.fixture
 def exact_ptx(monkeypatch):
     """``gate_exp(True)`` and the approximate sigmoid with exact stand-ins for the PTX ops."""
     monkeypatch.setattr(ptx_math, "exp2", jnp.exp2)
     monkeypatch.setattr(ptx_math, "reciprocal", lambda x: 1.0 / x)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def chunk(seed: int = 0, K: int = 16):

@@ -17,7 +17,7 @@ from pallas_kernels.kda.pallas_kda import (
     default_inter, pallas_chunk_kda, pallas_chunk_kda_fused_gate,
 )
 from pallas_kernels.kda.reference import chunked_kda
-from tests.kda.kda_cases import as_f32, kda_case, rel
+from tests.kda.kda_cases import as_f32, kda_case, lowered_for_h200, rel
 
 B, H, K, V = 2, 2, 32, 64  # K != V on purpose
 LB = -5.0
@@ -140,10 +140,7 @@ def test_default_inter_stage_by_sequence_heads(heads: int, kernels: tuple[str, .
                                                         f((1, T, heads, K16), jnp.float32),
                                                         f((1, T, heads), jnp.float32))
     fn = lambda *a: pallas_chunk_kda(*a, interpret=False)  # noqa: E731
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h200(fn, *args)
     inter, block_v, warps = default_inter(heads)
     assert (inter, block_v, warps) == (("two_pass", 16, 4) if heads < 128 else ("fused", 128, 8))
     assert text.count("stablehlo.custom_call @__gpu") == 3 + len(kernels)

@@ -11,6 +11,8 @@ key-channel split of the gradient pass (grads_block_k = K: one channel block per
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ from pallas_kernels.kda.chunk_backward import chunk_kda_bwd
 from pallas_kernels.kda.pallas_kda import INVERSE_WARPS, pallas_chunk_kda
 from pallas_kernels.kda.pallas_kda_bwd import default_states, pallas_chunk_kda_bwd
 from pallas_kernels.kda.reference import chunked_kda
+from tests.kda.kda_cases import lowered_for_h200
 
 
 def _args(x, with_state: bool) -> tuple:
@@ -98,22 +101,25 @@ def test_packed_sequences_match_reference_autodiff() -> None:
         assert rel(a, b) <= 2e-5, name
 
 
+D_GPU = 32  # head size of the lowering tests: Triton widths are powers of two
+
+
+def _abstract_bwd_args() -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Shapes of the backward's arguments (bf16 tokens, fp32 gate, beta and states) for lowering."""
+    f = jax.ShapeDtypeStruct
+    tok, st = (1, 128, H, D_GPU), (1, H, D_GPU, D_GPU)
+    return (f(tok, jnp.bfloat16), f(tok, jnp.bfloat16), f(tok, jnp.bfloat16), f(tok, jnp.float32),
+            f((1, 128, H), jnp.float32), f(st, jnp.float32), f(tok, jnp.bfloat16), f(st, jnp.float32))
+
+
 def test_warps_reach_only_their_stages() -> None:
     """``grads_warps`` sets the gradient pass's num_warps, ``states_warps`` the state recurrences',
     and the recompute keeps ``num_warps`` (lowered for an abstract H200 on CPU: the Triton custom
     calls carry their launch parameters)."""
-    import re
-
-    f = jax.ShapeDtypeStruct
-    d = 32  # Triton widths: powers of two
-    tok, st = (1, 128, H, d), (1, H, d, d)
-    args = (f(tok, jnp.bfloat16), f(tok, jnp.bfloat16), f(tok, jnp.bfloat16), f(tok, jnp.float32),
-            f((1, 128, H), jnp.float32), f(st, jnp.float32), f(tok, jnp.bfloat16), f(st, jnp.float32))
+    args = _abstract_bwd_args()
     fn = lambda *a: pallas_chunk_kda_bwd(  # noqa: E731
-        *a, scale=d**-0.5, interpret=False, grads_warps=2, states_warps=1)
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        *a, scale=D_GPU**-0.5, interpret=False, grads_warps=2, states_warps=1)
+    text = lowered_for_h200(fn, *args)
     warps = {re.search(r'name = "([^"]+)"', line).group(1): int(re.search(r"num_warps = (\d+)", line).group(1))
              for line in text.splitlines() if "__gpu$xla.gpu.triton" in line}
     assert {name: w for name, w in warps.items() if "grads" in name} == {
@@ -172,23 +178,15 @@ def test_kept_intra_lowers_without_a_second_pair_kernel() -> None:
     """Forward with ``return_intra`` and backward with ``intra``, lowered for an abstract H200:
     the pair and inverse kernels run once (in the forward); the backward's intra stage is the
     one ``kda_intra_saved_parts`` kernel."""
-    import re
-
-    f = jax.ShapeDtypeStruct
-    d = 32
-    tok, st = (1, 128, H, d), (1, H, d, d)
-    args = (f(tok, jnp.bfloat16), f(tok, jnp.bfloat16), f(tok, jnp.bfloat16), f(tok, jnp.float32),
-            f((1, 128, H), jnp.float32), f(st, jnp.float32), f(tok, jnp.bfloat16), f(st, jnp.float32))
+    args = _abstract_bwd_args()
 
     def fwd_bwd(q, k, v, g, beta, s0, do, dht):
         *_, intra = pallas_chunk_kda(q, k, v, g, beta, initial_state=s0, interpret=False,
                                      return_intra=True)
-        return pallas_chunk_kda_bwd(q, k, v, g, beta, s0, do, dht, scale=d**-0.5,
+        return pallas_chunk_kda_bwd(q, k, v, g, beta, s0, do, dht, scale=D_GPU**-0.5,
                                     interpret=False, intra=intra)
 
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
-        text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h200(fwd_bwd, *args)
     names = re.findall(r'name = "(kda_[a-z_]+)"', text)
     assert names.count("kda_intra_pairs") == 1 and names.count("kda_intra_inverse") == 1
     assert names.count("kda_intra_wu") == 1 and names.count("kda_intra_saved_parts") == 1
@@ -205,9 +203,7 @@ def test_default_states_by_sequence_heads(heads: int) -> None:
             f((1, 64, heads), jnp.float32), f(st, jnp.float32), f(val, jnp.bfloat16),
             f(st, jnp.float32))
     fn = lambda *a: pallas_chunk_kda_bwd(*a, scale=0.25, interpret=False)  # noqa: E731
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h200(fn, *args)
     block_v, warps = default_states(heads)
     assert (block_v, warps) == ((16, 4) if heads < 128 else (128, 8))
     for name in ("kda_states", "kda_bwd_dstates"):

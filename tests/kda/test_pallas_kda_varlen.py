@@ -15,7 +15,7 @@ from pallas_kernels.kda import chunk_kda
 from pallas_kernels.kda.pallas_kda import pallas_chunk_kda, pallas_chunk_kda_fused_gate
 from pallas_kernels.kda.reference import chunked_kda
 from pallas_kernels.kda.varlen_layout import chunk_layout
-from tests.kda.kda_cases import as_f32, kda_case, rel
+from tests.kda.kda_cases import as_f32, kda_case, lowered_for_h200, rel
 
 H, K, V = 2, 32, 64  # K != V on purpose
 LB = -5.0
@@ -147,8 +147,5 @@ def test_lowers_to_triton_for_h200(inter: str, kernels: int) -> None:
             f((3, H, K, V), jnp.float32))
     fn = lambda q, k, v, g, b, s0: pallas_chunk_kda(  # noqa: E731
         q, k, v, g, b, initial_state=s0, cu_seqlens=cu, interpret=False, inter=inter)
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h200(fn, *args)
     assert text.count("stablehlo.custom_call @__gpu") == kernels
