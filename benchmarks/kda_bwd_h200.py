@@ -252,7 +252,7 @@ def run_jax():
         )
 
     # ---- timing: ours fwd+bwd (the chunk_kda "pallas" path), fwd alone, bwd alone ------------
-    def essentials(B, T, H, variants):
+    def essentials(B, T, H):
         args = inputs(B, T, H)
         r = res[f"B{B}_T{T}_H{H}"] = {}
         attempt(r, "ours_fwd_bwd_ms", lambda: bench(api_vjp("pallas"), args))
@@ -268,22 +268,11 @@ def run_jax():
             jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a[:8], scale=scale, intra=a[8])),
             args + (intra,)))
         del intra
-        for nw, gw, gbk, ns in variants:
-            tag = f"ours_bwd_w{nw}_gw{gw}_gbk{gbk}_s{ns}"
-            attempt(r, f"{tag}_ms", lambda nw=nw, gw=gw, gbk=gbk, ns=ns: bench(
-                jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(
-                    *a, scale=scale, num_warps=nw, grads_warps=gw, grads_block_k=gbk,
-                    num_stages=ns)),
-                args), budget=240)
-            save(res, out)
         save(res, out)
 
-    if not stages_only:  # the default first, then the candidates
-        # (num_warps, grads_warps, grads_block_k, num_stages) beside the defaults: 2 warps, 16 / 64
-        # channels and 1 stage were slower (benchmarks/RESULTS.md)
-        variants = ()
-        essentials(*SHAPES[0], variants)
-        essentials(*SHAPES[1], variants)
+    if not stages_only:  # the defaults; configurations are compared per stage below
+        essentials(*SHAPES[0])
+        essentials(*SHAPES[1])
     for shape in SHAPES:
         res.setdefault("B{}_T{}_H{}".format(*shape), {})
 
