@@ -11,7 +11,7 @@ reference before it is timed (relative Frobenius error on fp32 outputs, fresh ra
 beyond what was written would show as garbage). TFLOP/s count useful FLOPs only, 2*M*K*N (gate+up: N = 2F).
 
 Cases (K3 per-GPU slices): 28 experts x 16384 rows (EP=32) gate+up 3584 -> 2x3072 with SiTU, down
-3072 -> 3584; 112 experts x 16384 rows (EP=8) gate+up. Group sizes uniform (M // E, remainder spread);
+3072 -> 3584; 112 experts x 16384 rows (EP=8) gate+up and down. Group sizes uniform (M // E, remainder spread);
 one extra uneven case (weights U(0.5, 1.5) rounded to 16 rows, as in /work/shared/bench) for comparison.
 """
 
@@ -30,6 +30,7 @@ CASES = [  # label, experts, kind (gate_up | down), distribution
     ("gate_up_E28", 28, "gate_up", "uniform"),
     ("down_E28", 28, "down", "uniform"),
     ("gate_up_E112", 112, "gate_up", "uniform"),
+    ("down_E112", 112, "down", "uniform"),
     ("gate_up_E28_uneven", 28, "gate_up", "uneven"),
 ]
 
@@ -54,6 +55,7 @@ def dims(kind: str) -> tuple[int, int]:
 
 
 def part_jax(budget_s: float, tune: bool = False) -> None:
+    import dataclasses
     import functools
 
     import jax
@@ -102,6 +104,7 @@ def part_jax(budget_s: float, tune: bool = False) -> None:
     key = jax.random.key(7)
     edge = {}
     small_cfg = pg.TileConfig(64, 64, 32, 4, 3)
+    merged_cfg = pg.TileConfig(64, 64, 32, 4, 3, weights_lhs=True, tail_m=16, merge_tail=True)
     for name, gs in [("uneven", [50, 0, 131, 7, 68]), ("one_expert", [0, 0, 256, 0, 0]),
                      ("tail_rows", [10, 20, 0, 30, 100]), ("last_only", [0, 0, 0, 0, 256])]:
         k1, k2, k3, key = jax.random.split(key, 4)
@@ -113,12 +116,17 @@ def part_jax(budget_s: float, tune: bool = False) -> None:
         o = pg.grouped_gate_up_situ(x, w1, w3, g, cfg=small_cfg, out_dtype=jnp.float32, approx_situ=False)
         oa = pg.grouped_gate_up_situ(x, w1, w3, g, cfg=small_cfg, out_dtype=jnp.float32, approx_situ=True)
         o2 = pg.grouped_matmul(x, w1, g, cfg=small_cfg, out_dtype=jnp.float32)
-        edge[name] = [rel(o, ref_f), rel(oa, ref_f), rel(o2, xla_ref(x, w1, w3, g, False))]
+        om = pg.grouped_gate_up_situ(x, w1, w3, g, cfg=merged_cfg, out_dtype=jnp.float32, approx_situ=False)
+        om2 = pg.grouped_matmul(x, w1, g, cfg=merged_cfg, out_dtype=jnp.float32)
+        ref_plain = xla_ref(x, w1, w3, g, False)
+        edge[name] = [rel(o, ref_f), rel(oa, ref_f), rel(o2, ref_plain), rel(om, ref_f), rel(om2, ref_plain)]
     res["edge_rel_err"] = edge
-    print("edge cases rel err (gate_up exact, gate_up approx, plain), fp32 out:", edge, flush=True)
+    print("edge cases rel err (gate_up exact, gate_up approx, plain; merged tails: gate_up exact, plain), fp32 out:",
+          edge, flush=True)
     save()
 
     T = pg.TileConfig
+    separate_tail = lambda cfg: dataclasses.replace(cfg, merge_tail=False)  # noqa: E731 (its own program)
     if tune:  # second pass: epilogue with tanh.approx, and tiles for the 112-expert (146 rows/expert) case
         plan = {
             "gate_up_E28": [(T(128, 128, 64, 8, 4), False), (T(128, 128, 64, 8, 4), True),
@@ -129,9 +137,14 @@ def part_jax(budget_s: float, tune: bool = False) -> None:
                              (T(64, 128, 64, 8, 4), True), (T(64, 256, 64, 8, 3), True)],
         }
     else:  # final pass: the defaults (first entry of each list) and their nearest neighbours
-        plan = {"gate_up_E28": [(pg.GATE_UP_DEFAULT, True), (pg.GATE_UP_DEFAULT, False), (T(128, 128, 64, 8, 3), True)],
-                "gate_up_E112": [(pg.GATE_UP_SMALL_GROUPS, True), (pg.GATE_UP_DEFAULT, True)],
-                "down_E28": [(pg.DOWN_DEFAULT, False), (T(128, 256, 64, 8, 3), False)]}
+        lhs = functools.partial(dataclasses.replace, weights_lhs=True)
+        merged = lambda cfg, tail: lhs(cfg, tail_m=tail, merge_tail=True)  # noqa: E731
+        plan = {"gate_up_E28": [(pg.GATE_UP_DEFAULT, True), (lhs(pg.GATE_UP_DEFAULT), True),
+                                (merged(pg.GATE_UP_DEFAULT, 16), True), (merged(pg.GATE_UP_DEFAULT, 32), True)],
+                "gate_up_E112": [(pg.GATE_UP_SMALL_GROUPS, True), (separate_tail(pg.GATE_UP_SMALL_GROUPS), True)],
+                "down_E28": [(pg.DOWN_DEFAULT, False), (merged(pg.DOWN_DEFAULT, 16), False),
+                             (merged(pg.DOWN_DEFAULT, 32), False)],
+                "down_E112": [(pg.DOWN_SMALL_GROUPS, False), (separate_tail(pg.DOWN_SMALL_GROUPS), False)]}
     best_cfg: dict[str, pg.TileConfig] = {}
     for label, num_experts, kind, dist in CASES:
         if tune and label not in plan:

@@ -4,6 +4,7 @@ Usage on the GPU machine (one job, about 3-4 minutes; torch runs in its own proc
 
     PYTHONPATH=. python3 benchmarks/moe_mxfp4_h200.py              # jax part, torch part, then the table
     PYTHONPATH=. python3 benchmarks/moe_mxfp4_h200.py --part jax|torch|report
+    PYTHONPATH=. python3 benchmarks/moe_mxfp4_h200.py --part jax --cases gate_up_E112 down_E112   # a subset
 
 Results land in $OUT (or .) as moe_mxfp4_jax.json / moe_mxfp4_torch.json. Every case is checked before it is
 timed; a case that fails (compile error, wrong numbers) is recorded and the others still run.
@@ -16,8 +17,8 @@ Cases (K3 per-GPU slices, M = 16384 rows sorted by expert, group sizes uniform):
     same kernels reading MXFP4 weights and decoding tiles in registers (default: weights as the MMA's left
     operand; also the plain orientation, and x in fragment order), and XLA decode of the whole layer
     followed by the bf16 kernel (what routed_experts does);
-  * gate+up and down at E=112 (146-147 rows per expert): 128-row tiles with a 32-row tail tile (the new
-    small-group default) vs 64-row tiles (the old default) vs plain 128-row tiles; mma_rows_* = rows of MMA
+  * gate+up and down at E=112 (146-147 rows per expert): 128-row tiles with a 32-row tail merged into the
+    same program (the small-group default) vs the tail in a program of its own; mma_rows_* = rows of MMA
     work per column block (useful: 16384);
   * expert MLP forward+backward at E=28 (pallas_vjp.expert_mlp) vs jax autodiff of the lax.ragged_dot MLP,
     and (torch part) torch._grouped_mm forward + autograd backward of the same MLP; torch._grouped_mm
@@ -42,6 +43,7 @@ import time
 OUT = os.environ.get("OUT", ".")
 M, H, F = 16384, 3584, 3072
 DECODE_ROWS = 256  # routed rows per GPU in a decode step (e.g. 512 sequences x 16 experts over 32 expert shards)
+ONLY: set[str] = set()  # --cases: run only these case labels (the edge cases always run)
 INTERPRET = False  # --smoke: tiny shapes in Pallas interpret mode on CPU, to check the script itself
 BETA, LINEAR_BETA = 4.0, 25.0
 
@@ -55,6 +57,7 @@ def uniform_sizes(num_experts: int, m: int = M) -> list[int]:
 
 
 def part_jax(budget_s: float) -> None:
+    import dataclasses
     import functools
 
     import jax
@@ -212,33 +215,37 @@ def part_jax(budget_s: float) -> None:
         run_case(rec, "xla_decode_then_bf16_kernel", xla_decode, packed_args, bf16_check)
 
     # -- 1b. the routed path at decode size: packed weights into the kernels vs decoding the layer first ----
+    def routed_decode_case(label: str) -> dict:
+        rec = {"label": label, "rows": DECODE_ROWS, "GFLOP": 2 * DECODE_ROWS * 3 * H * F / 1e9}
+        try:
+            kx, k1, k2, k3, ki = jax.random.split(jax.random.key(11), 5)
+            x = jax.random.normal(kx, (DECODE_ROWS, H), jnp.bfloat16)
+            packed = [random_mxfp4(k, 28, n, kk) for k, n, kk in ((k1, F, H), (k2, H, F), (k3, F, H))]
+            ids = jax.random.randint(ki, (DECODE_ROWS, 1), 0, 28)
+            wts = jnp.ones((DECODE_ROWS, 1), jnp.float32)
+            kw = dict(beta=BETA, linear_beta=LINEAR_BETA)
+            routed = jax.jit(functools.partial(routed_experts, implementation="pallas", **kw))
+            decode_first = jax.jit(lambda x_, a, b, c, w_, i_: experts_pallas(
+                x_, *(q.decode(jnp.bfloat16) for q in (a, b, c)), w_, i_, interpret=INTERPRET, **kw))
+            dense = [q.decode(jnp.bfloat16) for q in packed]
+            want = decode_first(x, *packed, wts, ids)
+            same = lambda out: (lambda e: (e, e <= 5e-3))(rel(out, want))  # noqa: E731 (only bf16 roundings differ)
+            run_case(rec, "mxfp4_packed_into_kernels", routed, (x, *packed, wts, ids), same)
+            run_case(rec, "mxfp4_decode_layer_then_kernels", decode_first, (x, *packed, wts, ids), same)
+            run_case(rec, "bf16_weights", routed, (x, *dense, wts, ids), same)
+        except Exception as e:
+            rec["error"] = repr(e)[:800]
+        return rec
+
     label = "routed_decode_E28"
-    rec = {"label": label, "rows": DECODE_ROWS, "GFLOP": 2 * DECODE_ROWS * 3 * H * F / 1e9}
-    try:
-        kx, k1, k2, k3, ki = jax.random.split(jax.random.key(11), 5)
-        x = jax.random.normal(kx, (DECODE_ROWS, H), jnp.bfloat16)
-        packed = [random_mxfp4(k, 28, n, kk) for k, n, kk in ((k1, F, H), (k2, H, F), (k3, F, H))]
-        ids = jax.random.randint(ki, (DECODE_ROWS, 1), 0, 28)
-        wts = jnp.ones((DECODE_ROWS, 1), jnp.float32)
-        kw = dict(beta=BETA, linear_beta=LINEAR_BETA)
-        routed = jax.jit(functools.partial(routed_experts, implementation="pallas", **kw))
-        decode_first = jax.jit(lambda x_, a, b, c, w_, i_: experts_pallas(
-            x_, *(q.decode(jnp.bfloat16) for q in (a, b, c)), w_, i_, interpret=INTERPRET, **kw))
-        dense = [q.decode(jnp.bfloat16) for q in packed]
-        want = decode_first(x, *packed, wts, ids)
-        same = lambda out: (lambda e: (e, e <= 5e-3))(rel(out, want))  # noqa: E731 (only bf16 roundings differ)
-        run_case(rec, "mxfp4_packed_into_kernels", routed, (x, *packed, wts, ids), same)
-        run_case(rec, "mxfp4_decode_layer_then_kernels", decode_first, (x, *packed, wts, ids), same)
-        run_case(rec, "bf16_weights", routed, (x, *dense, wts, ids), same)
-    except Exception as e:
-        rec["error"] = repr(e)[:800]
-    res[label] = rec
+    res[label] = {"skipped": "not in --cases"} if ONLY and label not in ONLY else routed_decode_case(label)
     save()
 
     # -- 2. forward GEMMs ------------------------------------------------------------------------------
     # First entry of each list: the default config for those weights (the reference for the others). MXFP4:
     # the default (weights as the MMA's left operand) and the plain orientation.
     mx = functools.partial(pg.for_weights, mxfp4=True)
+    separate_tail = lambda cfg: dataclasses.replace(cfg, merge_tail=False)  # noqa: E731
     # decode-sized batches first (DECODE_ROWS rows over 28 experts, ~9 per expert): weight-bandwidth bound, where
     # reading 4.25 bits per weight instead of 16 should pay for the in-kernel decode
     # (candidates: 32-row tiles at 4 warps, one warpgroup, so each decodes its own 64 weight rows)
@@ -252,12 +259,16 @@ def part_jax(budget_s: float) -> None:
          [mx(pg.GATE_UP_DEFAULT), pg.GATE_UP_DEFAULT], M),
         ("down_E28", 28, False, [pg.DOWN_DEFAULT],
          [mx(pg.DOWN_DEFAULT)], M),
-        # new small-group tiles (128 + 32-row tail) vs the old default (64-row tiles)
-        ("gate_up_E112", 112, True, [pg.GATE_UP_SMALL_GROUPS, T(64, 256, 64, 8, 3)],
-         [mx(pg.GATE_UP_SMALL_GROUPS)], M),
-        ("down_E112", 112, False, [pg.DOWN_SMALL_GROUPS, pg.DOWN_DEFAULT], [mx(pg.DOWN_SMALL_GROUPS)], M),
+        # small-group tiles: 128 rows + a 32-row tail merged into the same program (default) vs a program of
+        # its own; MXFP4 decodes each weight tile once for both when merged
+        ("gate_up_E112", 112, True, [pg.GATE_UP_SMALL_GROUPS, separate_tail(pg.GATE_UP_SMALL_GROUPS)],
+         [mx(pg.GATE_UP_SMALL_GROUPS), mx(separate_tail(pg.GATE_UP_SMALL_GROUPS))], M),
+        ("down_E112", 112, False, [pg.DOWN_SMALL_GROUPS, separate_tail(pg.DOWN_SMALL_GROUPS)],
+         [mx(pg.DOWN_SMALL_GROUPS), mx(separate_tail(pg.DOWN_SMALL_GROUPS))], M),
     ]
     for label, num_experts, fused, bf16_cfgs, mxfp4_cfgs, m in cases:
+        if ONLY and label not in ONLY:
+            continue
         if time.time() - t0 > budget_s * 0.6:
             res[label] = {"skipped": "time budget"}
             save()
@@ -276,7 +287,9 @@ def part_jax(budget_s: float) -> None:
     # -- 3. expert MLP forward + backward at E=28 --------------------------------------------------------
     label = "mlp_fwd_bwd_E28"
     rec = {"label": label, "GFLOP": 3 * 2 * M * (H * 2 * F + F * H) / 1e9}
-    if time.time() - t0 > budget_s * 0.8:
+    if ONLY and label not in ONLY:
+        res[label] = {"skipped": "not in --cases"}
+    elif time.time() - t0 > budget_s * 0.8:
         res[label] = {"skipped": "time budget"}
     else:
         ks = jax.random.split(jax.random.key(3), 5)
@@ -406,7 +419,9 @@ if __name__ == "__main__":
     ap.add_argument("--part", default="all", choices=["all", "jax", "torch", "report"])
     ap.add_argument("--budget-s", type=float, default=200.0)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU (checks the script)")
+    ap.add_argument("--cases", nargs="*", default=[], help="jax case labels to run (default: all)")
     args = ap.parse_args()
+    ONLY.update(args.cases)
     if args.smoke:
         M, H, F, INTERPRET = 256, 256, 256, True
     if args.part == "jax":

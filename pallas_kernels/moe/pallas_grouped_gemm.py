@@ -33,7 +33,9 @@ in L2. A row tile always loads a full ``block_m`` rows (its start is shifted bac
 load stays in bounds) and stores only its own rows under a mask, so no padding copy of x is needed. With
 ``cfg.tail_m`` an expert's last tile, when it holds at most tail_m rows, runs a second copy of the loop at
 that height (same table, chosen per program by its row count), so few-row remainders are not padded to
-block_m (``mma_rows`` counts the MMA rows a table costs).
+block_m (``mma_rows`` counts the MMA rows a table costs). With ``cfg.merge_tail`` a program may also cover
+block_m + tail_m rows as two MMAs per weight tile, so that a remainder shares its expert's weight loads
+(`_row_tiling` picks the cut).
 
 Why Pallas-Triton and not Mosaic GPU (``plgpu.kernel`` + ``emit_pipeline`` + ``wgmma``): Mosaic GPU is
 JAX's documented direction on Hopper and Pallas-Triton is deprecated since JAX 0.11.0, but this kernel had
@@ -54,7 +56,8 @@ after JAX 0.11, so pin jax<0.12 for this path or port it then.
 
 Measured on one H200 (2026-11-29, benchmarks/RESULTS.md): gate+up+SiTU 528 TFLOP/s and down 540 TFLOP/s
 at 28 experts x 16384 rows (torch._grouped_mm without the activation: 541 / 508; XLA ragged_dot: 28 / 27);
-329 TFLOP/s gate+up at 112 experts (torch 378).
+at 112 experts (146 rows each) gate+up 444-451 and down 422-427 TFLOP/s with merged tails (2026-11-30;
+torch 369-374 / 353-359 in the same jobs).
 
 Limits: K and N must be multiples of block_k / block_n (``pallas_experts.experts_pallas`` zero-pads odd
 toy widths). Pallas-Triton computes 32-bit element offsets and switches to 64-bit by itself for operands
@@ -95,6 +98,13 @@ class TileConfig:
     the loop at that height instead of block_m, so the expert's remainder is not padded to a full tile
     (at 146 rows per expert, 128 + 32 instead of 2 x 128 or 3 x 64 rows of MMA work). With weights_lhs
     the rows are the MMA's N, so 16 or 32 is cheap; without it tail_m should stay >= 64 (wgmma's M).
+
+    merge_tail (needs tail_m and weights_lhs): a program may cover block_m + tail_m rows, as two MMAs (block_m
+    and tail_m rows) per weight tile, so each weight tile is loaded (and, for MXFP4, decoded) once for both.
+    Each expert is cut the cheaper way (`_row_tiling`): block_m tiles with a remainder of <= tail_m rows
+    joining the last, or tiles of block_m + tail_m rows. At 146 rows per expert this is one 160-row program
+    instead of a 128-row one and a 32-row one that repeats the whole k loop's weight traffic for a quarter
+    of the MMA work: gate+up 451 vs 357 TFLOP/s, down 427 vs 350 (H200, 2026-11-30, one job).
     """
 
     block_m: int = 128
@@ -104,24 +114,27 @@ class TileConfig:
     num_stages: int = 4
     weights_lhs: bool = False
     tail_m: int | None = None
+    merge_tail: bool = False
 
     def label(self) -> str:
         """Every field, for benchmark records: configs that differ get different labels."""
         return (f"bm{self.block_m}_bn{self.block_n}_bk{self.block_k}_w{self.num_warps}"
                 f"_s{self.num_stages}" + ("_wlhs" if self.weights_lhs else "")
-                + (f"_tail{self.tail_m}" if self.tail_m else ""))
+                + (f"_tail{self.tail_m}" if self.tail_m else "") + ("_merged" if self.merge_tail else ""))
 
 
-# Picked on one H200 (2026-11-29, benchmarks/RESULTS.md): 128-row tiles when experts average >= 320 rows.
+# Picked on one H200 (2026-11-29/30, benchmarks/RESULTS.md): 128-row tiles when experts average >= 320 rows.
 # Below that (146 rows per expert at E=112) every expert's remainder tile is mostly padding: 64-row tiles
-# ran 329 TFLOP/s (31% of the MMA rows padding); the small-group configs below add a 32-row tail tile
-# (128 + 32 rows, 9.6% padding), with the weights as the MMA's left operand so that the 32 rows are its N.
+# ran 329 TFLOP/s (31% of the MMA rows padding); the small-group configs below add a 32-row tail
+# (128 + 32 rows, 9.6% padding) merged into the full tile's program, with the weights as the MMA's left
+# operand so that the 32 rows are its N. At 585 rows per expert (E=28) merging gained nothing (tail 32:
+# 523 vs 531 TFLOP/s; tail 16: 451), so the 28-expert defaults keep plain 128-row tiles.
 GATE_UP_DEFAULT = TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
 GATE_UP_SMALL_GROUPS = TileConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
-                                  weights_lhs=True, tail_m=32)
+                                  weights_lhs=True, tail_m=32, merge_tail=True)
 DOWN_DEFAULT = TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4)
 DOWN_SMALL_GROUPS = TileConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=4,
-                               weights_lhs=True, tail_m=32)
+                               weights_lhs=True, tail_m=32, merge_tail=True)
 SMALL_GROUP_ROWS = 320  # average rows per expert below which the small-group configs are used
 # Decode-sized batches (batch_size.is_decode_sized, e.g. 256 routed rows over 28
 # experts): one 32-row tile per expert, 64 weight rows per program and 4 warps, one warpgroup, so that each
@@ -154,19 +167,46 @@ def down_config(num_rows: int, num_groups: int, mxfp4: bool = False, backward: b
     return for_weights(DOWN_SMALL_GROUPS if small else DOWN_DEFAULT, mxfp4)
 
 
-def _schedule(group_sizes: jax.Array, num_rows: int, block_m: int, num_n_blocks: int) -> jax.Array:
+def _row_tiling(sizes: jax.Array, block_m: int, tail: int) -> tuple[jax.Array, jax.Array]:
+    """(tiles, stride) per group for merged tails: the cheaper in MMA rows of two cuts, a tie going to (a).
+
+    (a) block_m-row tiles, a remainder of at most `tail` rows joining the last of them;
+    (b) tiles of block_m + tail rows (two MMAs each).
+    A tile's cost is the height its program runs (`_heights`). At 146 rows, block_m 128, tail 32 both give one
+    160-row tile; at 585 rows (b) gives 3 x 160 + 128 against 5 x 128; at 256 rows (a) gives 2 x 128.
+    """
+    def cost(rows_left: jax.Array) -> jax.Array:  # the last tile's height
+        return jnp.where(rows_left <= tail, tail, jnp.where(rows_left <= block_m, block_m, block_m + tail))
+
+    full = (sizes + block_m - 1) // block_m
+    merge = (full >= 2) & (sizes - (full - 1) * block_m <= tail)
+    tiles_a = full - merge
+    cost_a = jnp.where(merge, (full - 1) * block_m + tail, (full - 1) * block_m + cost(sizes - (full - 1) * block_m))
+    stride_b = block_m + tail
+    tiles_b = (sizes + stride_b - 1) // stride_b
+    cost_b = (tiles_b - 1) * stride_b + cost(sizes - (tiles_b - 1) * stride_b)
+    use_b = cost_b < cost_a
+    return jnp.where(use_b, tiles_b, tiles_a), jnp.where(use_b, stride_b, block_m)
+
+
+def _schedule(group_sizes: jax.Array, num_rows: int, block_m: int, num_n_blocks: int,
+              merge_rows: int = 0) -> jax.Array:
     """int32 [P, 4] table, one row per program: (row_start, row_end, expert, n_block).
 
-    Rows past sum(group_sizes) form a virtual expert E whose tiles store zeros. The table is sized for the
-    worst case, P = (cdiv(M, bm) + E) * n_blocks; programs past the real tiles get row_start == row_end
-    (idle). Written as closed-form broadcasts over [P] x [E+1] (no sort, scatter or search loop), so XLA
-    fuses it into a couple of tiny kernels.
+    Each expert's rows are cut into block_m-row tiles, or with merge_rows > 0 as `_row_tiling` picks; an
+    expert's last tile takes the rest. Rows past sum(group_sizes) form a virtual expert E whose tiles store
+    zeros. The table is sized for the worst case, P = (cdiv(M, bm) + E) * n_blocks (merged cuts have no more
+    tiles); programs past the real tiles get row_start == row_end (idle). Written as closed-form broadcasts
+    over [P] x [E+1] (no sort, scatter or search loop), so XLA fuses it into a couple of tiny kernels.
     """
     num_groups = group_sizes.shape[0]
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), num_rows)
     sizes = jnp.concatenate([jnp.diff(ends, prepend=0), num_rows - ends[-1:]]).astype(jnp.int32)  # [E+1]
     starts = jnp.cumsum(sizes) - sizes
-    tiles = (sizes + block_m - 1) // block_m  # row tiles per group
+    if merge_rows:
+        tiles, stride = _row_tiling(sizes, block_m, merge_rows)
+    else:
+        tiles, stride = (sizes + block_m - 1) // block_m, jnp.full_like(sizes, block_m)
     tile_off = jnp.cumsum(tiles) - tiles  # first tile of each group
     prog_end = (tile_off + tiles) * num_n_blocks  # programs of group g: [tile_off[g] * NB, prog_end[g])
     num_programs = (pl.cdiv(num_rows, block_m) + num_groups) * num_n_blocks
@@ -178,20 +218,30 @@ def _schedule(group_sizes: jax.Array, num_rows: int, block_m: int, num_n_blocks:
     q = p - tile_off[grp] * num_n_blocks
     per = jnp.maximum(tiles[grp], 1)
     n_block, local = q // per, q % per
-    row_start = starts[grp] + local * block_m
-    row_end = jnp.minimum(row_start + block_m, starts[grp] + sizes[grp])
+    row_start = starts[grp] + local * stride[grp]
+    group_end = starts[grp] + sizes[grp]
+    row_end = jnp.where(local == per - 1, group_end, row_start + stride[grp])  # the last tile takes the rest
     row_start = jnp.where(valid, row_start, 0)
     row_end = jnp.where(valid, row_end, 0)
     return jnp.stack([row_start, row_end, grp, jnp.where(valid, n_block, 0)], axis=1).astype(jnp.int32)
 
 
+def _merge_rows(cfg: TileConfig) -> int:
+    return cfg.tail_m if cfg.merge_tail else 0
+
+
+def _heights(count: jax.Array, cfg: TileConfig) -> jax.Array:
+    """MMA rows a program with `count` rows runs: tail_m, block_m, or block_m + tail_m (merged)."""
+    tail = cfg.tail_m or 0
+    return jnp.where(count <= tail, tail, jnp.where(count <= cfg.block_m, cfg.block_m, cfg.block_m + tail))
+
+
 def mma_rows(group_sizes: jax.Array, num_rows: int, cfg: TileConfig) -> jax.Array:
     """Rows of MMA work the kernel runs per column block (each tile at its height), rows past the groups
     excluded: the useful rows are sum(group_sizes), the rest is padding of partial tiles."""
-    table = _schedule(group_sizes, max(num_rows, cfg.block_m), cfg.block_m, 1)
+    table = _schedule(group_sizes, max(num_rows, cfg.block_m), cfg.block_m, 1, _merge_rows(cfg))
     count = table[:, 1] - table[:, 0]
-    height = jnp.where((count > 0) & (count <= (cfg.tail_m or 0)), cfg.tail_m or 0, cfg.block_m)
-    return jnp.sum(jnp.where((count > 0) & (table[:, 2] < group_sizes.shape[0]), height, 0))
+    return jnp.sum(jnp.where((count > 0) & (table[:, 2] < group_sizes.shape[0]), _heights(count, cfg), 0))
 
 
 def _situ_f32(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None, approx: bool) -> jax.Array:
@@ -242,38 +292,54 @@ def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused
             return jax.lax.dot_general(wt, xt, dims, preferred_element_type=F32)  # [bn, rows]
         return jax.lax.dot_general(xt, wt, dims, preferred_element_type=F32)  # [rows, bn]
 
-    def tile(height: int, compute: bool):
-        """Load `height` rows from an in-bounds start; store only rows [row_start, row_end)."""
-        load_start = jnp.minimum(row_start, num_rows - height)
-        rows = load_start + jax.lax.broadcasted_iota(jnp.int32, (height, bn), 0)
-        store_mask = (rows >= row_start) & (rows < row_end)
-        out_block = o_ref.at[pl.ds(load_start, height), pl.ds(n0, bn)]
+    def tile(heights: tuple[int, ...], compute: bool):
+        """Load sum(heights) rows from an in-bounds start, as one MMA operand per height (a merged tile is
+        (block_m, tail_m): Triton tiles are powers of two); store only rows [row_start, row_end)."""
+        load_start = jnp.minimum(row_start, num_rows - sum(heights))
+        offsets = [sum(heights[:i]) for i in range(len(heights))]
         if not compute:  # rows past sum(group_sizes)
-            pltr.store(out_block, jnp.zeros((height, bn), o_ref.dtype), mask=store_mask)
+            for h, off in zip(heights, offsets):
+                store_part(load_start + off, h, jnp.zeros((h, bn), o_ref.dtype))
             return
 
         def body(k, accs):
             k0 = pl.multiple_of(k * bk, bk)
-            xt = x_ref[pl.ds(load_start, height), pl.ds(k0, bk)]
-            new = [accs[0] + mma(xt, _weight_tile(w1_refs, grp, n0, k0, bn, bk, xt.dtype, fragment))]
-            if fused:
-                new.append(accs[1] + mma(xt, _weight_tile(w3_refs, grp, n0, k0, bn, bk, xt.dtype, fragment)))
+            xts = [x_ref[pl.ds(load_start + off, h), pl.ds(k0, bk)] for h, off in zip(heights, offsets)]
+            new = []
+            for i, w_refs in enumerate((w1_refs, w3_refs) if fused else (w1_refs,)):
+                wt = _weight_tile(w_refs, grp, n0, k0, bn, bk, xts[0].dtype, fragment)  # once for all parts
+                new.append(tuple(acc + mma(xt, wt) for acc, xt in zip(accs[i], xts)))
             return tuple(new)
 
-        zeros = jnp.zeros((bn, height) if cfg.weights_lhs else (height, bn), F32)
+        zeros = tuple(jnp.zeros((bn, h) if cfg.weights_lhs else (h, bn), F32) for h in heights)
         accs = jax.lax.fori_loop(0, num_k, body, (zeros, zeros) if fused else (zeros,))
-        out = _situ_f32(accs[0], accs[1], beta, linear_beta, approx) if fused else accs[0]
-        out = out.astype(o_ref.dtype)
-        pltr.store(out_block, out.T if cfg.weights_lhs else out, mask=store_mask)
+        for part, (h, off) in enumerate(zip(heights, offsets)):
+            if fused:
+                out = _situ_f32(accs[0][part], accs[1][part], beta, linear_beta, approx)
+            else:
+                out = accs[0][part]
+            out = out.astype(o_ref.dtype)
+            store_part(load_start + off, h, out.T if cfg.weights_lhs else out)
 
-    real = active & (grp < num_groups)
-    if cfg.tail_m:  # an expert's last tile, when it holds <= tail_m rows, runs at the smaller height
-        short = row_end - row_start <= cfg.tail_m
-        pl.when(real & short)(lambda: tile(cfg.tail_m, True))
-        pl.when(real & ~short)(lambda: tile(bm, True))
-    else:
-        pl.when(real)(lambda: tile(bm, True))
-    pl.when(active & (grp >= num_groups))(lambda: tile(bm, False))
+    def store_part(start, height: int, value):
+        rows = start + jax.lax.broadcasted_iota(jnp.int32, (height, bn), 0)
+        mask = (rows >= row_start) & (rows < row_end)
+        pltr.store(o_ref.at[pl.ds(start, height), pl.ds(n0, bn)], value, mask=mask)
+
+    def run(compute: bool):
+        """One tile shape per program, picked by its row count (tile shapes are static in Triton)."""
+        if not cfg.tail_m:
+            return tile((bm,), compute)
+        count = row_end - row_start
+        short = count <= cfg.tail_m
+        pl.when(short)(lambda: tile((cfg.tail_m,), compute))
+        pl.when(~short & (count <= bm))(lambda: tile((bm,), compute))
+        if cfg.merge_tail:
+            pl.when(count > bm)(lambda: tile((bm, cfg.tail_m), compute))
+
+    real = grp < num_groups
+    pl.when(active & real)(lambda: run(True))
+    pl.when(active & ~real)(lambda: run(False))  # rows past sum(group_sizes)
 
 
 def _check(x, ws, group_sizes, cfg: TileConfig) -> bool:
@@ -292,6 +358,8 @@ def _check(x, ws, group_sizes, cfg: TileConfig) -> bool:
         raise ValueError(f"K={k} and N={n} must be multiples of block_k={cfg.block_k} / block_n={cfg.block_n}")
     if cfg.tail_m is not None and not (16 <= cfg.tail_m < cfg.block_m and cfg.tail_m & (cfg.tail_m - 1) == 0):
         raise ValueError(f"tail_m={cfg.tail_m}: must be a power of two in [16, block_m={cfg.block_m})")
+    if cfg.merge_tail and not (cfg.tail_m and cfg.weights_lhs):
+        raise ValueError(f"merge_tail needs tail_m and weights_lhs (the tail rows as the MMA's N); got {cfg.label()}")
     if mxfp4 and cfg.block_k % BLOCK:
         raise ValueError(f"block_k={cfg.block_k}: MXFP4 weights need a multiple of {BLOCK} (one scale per {BLOCK})")
     if m == 0:
@@ -306,11 +374,12 @@ def _grouped_call(x, ws, group_sizes, *, cfg: TileConfig, fused: bool, beta, lin
         raise ValueError("x_fragment_order=True is for MXFP4 weights (mxfp4_order.py); these are dense")
     m0, _ = x.shape
     n = ws[0].shape[1]
-    if m0 < cfg.block_m:  # tiny inputs: pad rows so a full row tile is always in bounds
-        x = jnp.pad(x, ((0, cfg.block_m - m0), (0, 0)))
+    tallest = cfg.block_m + _merge_rows(cfg)
+    if m0 < tallest:  # tiny inputs: pad rows so the tallest row tile is always in bounds
+        x = jnp.pad(x, ((0, tallest - m0), (0, 0)))
     m = x.shape[0]
     num_n_blocks = n // cfg.block_n
-    meta = _schedule(group_sizes, m, cfg.block_m, num_n_blocks)
+    meta = _schedule(group_sizes, m, cfg.block_m, num_n_blocks, _merge_rows(cfg))
     kernel = functools.partial(_kernel, num_rows=m, num_groups=group_sizes.shape[0], cfg=cfg, fused=fused,
                                mxfp4=mxfp4, beta=beta, linear_beta=linear_beta, approx=approx and not interpret,
                                fragment=fragment)
