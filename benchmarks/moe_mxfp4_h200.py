@@ -192,7 +192,7 @@ def part_jax(budget_s: float) -> None:
                 return err, same <= 5e-3 and err <= 1e-2
 
             run_case(rec, "mxfp4_" + cfg.label(), call(cfg), packed_args, check)
-        if num_experts != 28 or m != M:
+        if num_experts != 28 or m != M or rec["label"].endswith("_tiles"):
             return
         # x's columns in fragment order (mxfp4_order.py), permuted here outside the timing: the kernel then
         # reads each thread's packed bytes contiguously (~17% fewer SASS instructions per k step, offline)
@@ -250,15 +250,20 @@ def part_jax(budget_s: float) -> None:
     # reading 4.25 bits per weight instead of 16 should pay for the in-kernel decode
     # (candidates: 32-row tiles at 4 warps, one warpgroup, so each decodes its own 64 weight rows)
     small = [T(32, 64, 64, 4, 4, weights_lhs=True), T(32, 128, 64, 4, 4, weights_lhs=True)]
+    one_warpgroup = [T(128, 64, 64, 4, 3), T(128, 64, 64, 4, 2), T(64, 128, 64, 4, 3)]
     cases = [
         ("gate_up_E28_decode", 28, True, [pg.gate_up_config(DECODE_ROWS, 28), *small],
          [pg.gate_up_config(DECODE_ROWS, 28, mxfp4=True), *small], DECODE_ROWS),
         ("down_E28_decode", 28, False, [pg.down_config(DECODE_ROWS, 28), *small],
          [pg.down_config(DECODE_ROWS, 28, mxfp4=True), *small], DECODE_ROWS),
         ("gate_up_E28", 28, True, [pg.GATE_UP_DEFAULT],
-         [mx(pg.GATE_UP_DEFAULT), pg.GATE_UP_DEFAULT], M),
+         [pg.gate_up_config(M, 28, mxfp4=True), mx(pg.GATE_UP_DEFAULT), pg.GATE_UP_DEFAULT], M),
         ("down_E28", 28, False, [pg.DOWN_DEFAULT],
          [mx(pg.DOWN_DEFAULT)], M),
+        # tile candidates at E=28 (only with --cases): one warpgroup per program, so that two or more programs
+        # share an SM and one's epilogue / tile decode overlaps another's MMAs
+        ("gate_up_E28_tiles", 28, True, [pg.GATE_UP_DEFAULT, *one_warpgroup, T(256, 64, 64, 8, 3)],
+         [mx(pg.GATE_UP_DEFAULT), *(mx(c) for c in one_warpgroup), mx(T(64, 64, 64, 4, 3))], M),
         # small-group tiles: 128 rows + a 32-row tail merged into the same program (default) vs a program of
         # its own; MXFP4 decodes each weight tile once for both when merged
         ("gate_up_E112", 112, True, [pg.GATE_UP_SMALL_GROUPS, separate_tail(pg.GATE_UP_SMALL_GROUPS)],
@@ -267,7 +272,7 @@ def part_jax(budget_s: float) -> None:
          [mx(pg.DOWN_SMALL_GROUPS), mx(separate_tail(pg.DOWN_SMALL_GROUPS))], M),
     ]
     for label, num_experts, fused, bf16_cfgs, mxfp4_cfgs, m in cases:
-        if ONLY and label not in ONLY:
+        if (ONLY and label not in ONLY) or (not ONLY and label.endswith("_tiles")):
             continue
         if time.time() - t0 > budget_s * 0.6:
             res[label] = {"skipped": "time budget"}

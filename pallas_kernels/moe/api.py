@@ -49,7 +49,8 @@ def routed_experts(
     0.46 / 0.22 ms where decoding the layer in XLA alone takes about 0.78 / 0.41 ms before the bf16 kernels'
     0.36 / 0.20. Otherwise every implementation decodes the whole layer's experts to x's dtype right
     before its GEMMs (`decode_experts`; a transient copy of one layer's experts): at 16384 rows the tile
-    decode ran 224 / 238 TFLOP/s against 342 / 339 for decoding first (benchmarks/moe_mxfp4_h200.py).
+    decode ran 224 / 238 TFLOP/s (gate+up 269 with later tiles) against 342 / 339 for decoding first
+    (benchmarks/moe_mxfp4_h200.py).
     Both are exact, so the packed and the decoded model give identical results.
     """
     if implementation == "auto":

@@ -20,9 +20,10 @@ and decodes them to x's dtype in registers (mxfp4_tile.py)
 right before the dot, so HBM traffic for weights is 4.25 bits per weight and no decoded copy of the layer
 is ever written. Their default configs (`for_weights`) feed the decoded tile as the MMA's left operand so
 it goes from registers straight to wgmma. block_k must be a multiple of 32 (one scale byte per 32 inputs).
-On the H200 (2026-11-29) this ran at 224 / 238 TFLOP/s (gate+up / down, E=28) against 540 / 538 for bf16
-weights and 342 / 339 for XLA decoding the layer first: the per-tile decode (about 740 SASS instructions per
-thread and k step) outweighs the MMAs, so `routed_experts` still decodes in XLA (see api.py).
+On the H200 (2026-11-29) this ran at 224 / 238 TFLOP/s (gate+up / down, E=28; gate+up 269 with the
+one-warpgroup tiles of 2026-11-30, `GATE_UP_MXFP4`) against 540 / 538 for bf16 weights and 342 / 339 for
+XLA decoding the layer first: the per-tile decode (about 740 SASS instructions per thread and k step)
+outweighs the MMAs, so at that size `routed_experts` still decodes in XLA (see api.py).
 
 Work decomposition (computed in plain JAX inside the same jit, a few hundred int32 ops): every expert's
 rows are cut into ``block_m`` row tiles that never straddle two experts (at most ``cdiv(M, bm) + E``
@@ -144,6 +145,15 @@ SMALL_GROUP_ROWS = 320  # average rows per expert below which the small-group co
 DECODE_TILES = TileConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4, weights_lhs=True)
 
 
+# MXFP4 weights at >= 320 rows per expert: one warpgroup per program (214 registers, 57 KB of shared memory),
+# so two programs share an SM and one's tile decode overlaps the other's MMAs. gate+up at E=28 x 16384 rows on
+# the H200 (2026-11-30, one job): 269.3 TFLOP/s against 232.0 for the bf16 tiles with the weights as the left
+# operand (2 stages: 248.5; 64 x 128: 190.9; 64 x 64: 194.7). Decoding the layer first is still faster there
+# (about 340), which is what routed_experts does at that size; the bf16 kernel gains nothing from these tiles
+# (497.7 vs 536.2).
+GATE_UP_MXFP4 = TileConfig(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3, weights_lhs=True)
+
+
 def for_weights(cfg: TileConfig, mxfp4: bool) -> TileConfig:
     """MXFP4 weights go in as the MMA's left operand (224 vs 176 TFLOP/s gate+up at E=28 on the H200,
     2026-11-29)."""
@@ -154,8 +164,9 @@ def gate_up_config(num_rows: int, num_groups: int, mxfp4: bool = False) -> TileC
     """Tile choice from static shapes only (group sizes are data): average rows per expert."""
     if is_decode_sized(num_rows, num_groups):
         return DECODE_TILES
-    small = num_rows < SMALL_GROUP_ROWS * num_groups
-    return for_weights(GATE_UP_SMALL_GROUPS if small else GATE_UP_DEFAULT, mxfp4)
+    if num_rows < SMALL_GROUP_ROWS * num_groups:
+        return for_weights(GATE_UP_SMALL_GROUPS, mxfp4)
+    return GATE_UP_MXFP4 if mxfp4 else GATE_UP_DEFAULT
 
 
 def down_config(num_rows: int, num_groups: int, mxfp4: bool = False, backward: bool = False) -> TileConfig:

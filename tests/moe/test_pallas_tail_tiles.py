@@ -143,11 +143,12 @@ def test_tail_tiles_lower_to_triton_for_cuda(h200_triton: None) -> None:
 
 
 def test_default_configs_by_group_size_and_weight_format() -> None:
-    """Tiles picked from static shapes: small groups (< 320 rows/expert) get the tail tile; MXFP4 weights the
-    left-operand order; the 28-expert bf16 defaults are the
-    measured ones, unchanged."""
+    """Tiles picked from static shapes: small groups (< 320 rows/expert) get the merged tail tile; MXFP4
+    weights the left-operand order, and at 28 experts gate+up one warpgroup per program; the 28-expert bf16
+    defaults are the measured ones, unchanged."""
     assert pg.gate_up_config(16384, 28) == pg.GATE_UP_DEFAULT and pg.down_config(16384, 28) == pg.DOWN_DEFAULT
     for cfg in (pg.gate_up_config(16384, 112), pg.down_config(16384, 112)):
         assert cfg.tail_m == 32 and cfg.merge_tail
     for cfg in (pg.gate_up_config(16384, 28, mxfp4=True), pg.down_config(16384, 112, mxfp4=True)):
         assert cfg.weights_lhs
+    assert pg.gate_up_config(16384, 28, mxfp4=True) == pg.GATE_UP_MXFP4  # one warpgroup per program
