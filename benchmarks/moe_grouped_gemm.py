@@ -127,15 +127,10 @@ def part_jax(budget_s: float, tune: bool = False) -> None:
 
     T = pg.TileConfig
     separate_tail = lambda cfg: dataclasses.replace(cfg, merge_tail=False)  # noqa: E731 (its own program)
-    if tune:  # second pass: epilogue with tanh.approx, and tiles for the 112-expert (146 rows/expert) case
-        plan = {
-            "gate_up_E28": [(T(128, 128, 64, 8, 4), False), (T(128, 128, 64, 8, 4), True),
-                            (T(128, 128, 64, 8, 3), True), (T(256, 64, 64, 8, 4), True)],
-            "down_E28": [(T(128, 256, 64, 8, 3), False), (T(128, 256, 64, 8, 4), False),
-                         (T(256, 128, 64, 8, 4), False), (T(128, 256, 32, 8, 6), False)],
-            "gate_up_E112": [(T(128, 128, 64, 8, 4), True), (T(64, 128, 64, 4, 4), True), (T(64, 128, 64, 4, 3), True),
-                             (T(64, 128, 64, 8, 4), True), (T(64, 256, 64, 8, 3), True)],
-        }
+    if tune:  # candidates around the 28-expert gate+up default: deeper k tiles and pipelines
+        plan = {"gate_up_E28": [(pg.GATE_UP_DEFAULT, True), (T(128, 128, 128, 8, 2), True),
+                                (T(128, 128, 128, 8, 2, weights_lhs=True), True), (T(128, 128, 32, 8, 6), True),
+                                (T(128, 128, 32, 8, 8), True), (T(128, 128, 64, 8, 3), True)]}
     else:  # final pass: the defaults (first entry of each list) and their nearest neighbours
         lhs = functools.partial(dataclasses.replace, weights_lhs=True)
         merged = lambda cfg, tail: lhs(cfg, tail_m=tail, merge_tail=True)  # noqa: E731
