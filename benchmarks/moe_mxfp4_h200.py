@@ -44,6 +44,7 @@ OUT = os.environ.get("OUT", ".")
 M, H, F = 16384, 3584, 3072
 DECODE_ROWS = 256  # routed rows per GPU in a decode step (e.g. 512 sequences x 16 experts over 32 expert shards)
 ONLY: set[str] = set()  # --cases: run only these case labels (the edge cases always run)
+REPEAT = 1  # --repeat: time each forward GEMM config and routed path this many times, interleaved (*_rep<i>)
 INTERPRET = False  # --smoke: tiny shapes in Pallas interpret mode on CPU, to check the script itself
 BETA, LINEAR_BETA = 4.0, 25.0
 
@@ -174,12 +175,22 @@ def part_jax(budget_s: float) -> None:
             same_ops = call(bf16_cfgs[0], out_dtype=jnp.float32)(x, d1, gs)
             dense_args, packed_args = (x, d1, gs), (x, q1, gs)
         bf16_check = lambda out: (lambda e: (e, e <= 1e-2))(rel(out, ref32))  # noqa: E731
-        for cfg in bf16_cfgs:
-            rec["mma_rows_" + cfg.label()] = int(pg.mma_rows(gs, m, cfg))  # useful rows: m
-            run_case(rec, "bf16_" + cfg.label(), call(cfg), dense_args, bf16_check)
         same_bf16 = call(bf16_cfgs[0])(*dense_args)
+        for rep in range(REPEAT):
+            tag = f"_rep{rep}" if REPEAT > 1 else ""
+            for cfg in bf16_cfgs:
+                rec["mma_rows_" + cfg.label()] = int(pg.mma_rows(gs, m, cfg))  # useful rows: m
+                run_case(rec, "bf16_" + cfg.label() + tag, call(cfg), dense_args, bf16_check)
+            mxfp4_configs(rec, mxfp4_cfgs, call, packed_args, same_ops, same_bf16, ref32, tag)
+        if num_experts != 28 or m != M or rec["label"].endswith("_tiles"):
+            return
+        fragment_and_decode_first(rec, fused, k_dim, x, mxfp4_cfgs[0], bf16_cfgs[0], call, packed_args,
+                                  same_bf16, ref32, bf16_check)
+
+    def mxfp4_configs(rec, mxfp4_cfgs, call, packed_args, same_ops, same_bf16, ref32, tag) -> None:
         for i, cfg in enumerate(mxfp4_cfgs):
-            if i == 0:  # fp32 out: same bf16 operands as the bf16 kernel, so only the summation order differs
+            if i == 0 and tag in ("", "_rep0"):
+                # fp32 out: same bf16 operands as the bf16 kernel, so only the summation order differs
                 try:
                     rec["mxfp4_default_fp32out_vs_bf16_kernel"] = rel(call(cfg, out_dtype=jnp.float32)(*packed_args),
                                                                       same_ops)
@@ -191,12 +202,13 @@ def part_jax(budget_s: float) -> None:
                 rec["mxfp4_vs_bf16_kernel_" + cfg.label()] = same
                 return err, same <= 5e-3 and err <= 1e-2
 
-            run_case(rec, "mxfp4_" + cfg.label(), call(cfg), packed_args, check)
-        if num_experts != 28 or m != M or rec["label"].endswith("_tiles"):
-            return
+            run_case(rec, "mxfp4_" + cfg.label() + tag, call(cfg), packed_args, check)
+
+    def fragment_and_decode_first(rec, fused, k_dim, x, frag_cfg, bf16_cfg, call, packed_args, same_bf16, ref32,
+                                  bf16_check) -> None:
+        """MXFP4 with x in fragment order, and XLA decoding the layer before the bf16 kernel."""
         # x's columns in fragment order (mxfp4_order.py), permuted here outside the timing: the kernel then
         # reads each thread's packed bytes contiguously (~17% fewer SASS instructions per k step, offline)
-        frag_cfg = mxfp4_cfgs[0]
         x_frag = x[:, fragment_order(k_dim, frag_cfg.block_k)]
 
         def frag_check(out):
@@ -208,10 +220,10 @@ def part_jax(budget_s: float) -> None:
                  (x_frag, *packed_args[1:]), frag_check)
         if fused:
             xla_decode = jax.jit(lambda x_, a, b, g: pg.grouped_gate_up_situ(
-                x_, a.decode(jnp.bfloat16), b.decode(jnp.bfloat16), g, cfg=bf16_cfgs[0], interpret=INTERPRET))
+                x_, a.decode(jnp.bfloat16), b.decode(jnp.bfloat16), g, cfg=bf16_cfg, interpret=INTERPRET))
         else:
             xla_decode = jax.jit(lambda x_, a, g: pg.grouped_matmul(
-                x_, a.decode(jnp.bfloat16), g, cfg=bf16_cfgs[0], interpret=INTERPRET))
+                x_, a.decode(jnp.bfloat16), g, cfg=bf16_cfg, interpret=INTERPRET))
         run_case(rec, "xla_decode_then_bf16_kernel", xla_decode, packed_args, bf16_check)
 
     # -- 1b. the routed path at decode size: packed weights into the kernels vs decoding the layer first ----
@@ -230,9 +242,11 @@ def part_jax(budget_s: float) -> None:
             dense = [q.decode(jnp.bfloat16) for q in packed]
             want = decode_first(x, *packed, wts, ids)
             same = lambda out: (lambda e: (e, e <= 5e-3))(rel(out, want))  # noqa: E731 (only bf16 roundings differ)
-            run_case(rec, "mxfp4_packed_into_kernels", routed, (x, *packed, wts, ids), same)
-            run_case(rec, "mxfp4_decode_layer_then_kernels", decode_first, (x, *packed, wts, ids), same)
-            run_case(rec, "bf16_weights", routed, (x, *dense, wts, ids), same)
+            for rep in range(REPEAT):
+                tag = f"_rep{rep}" if REPEAT > 1 else ""
+                run_case(rec, "mxfp4_packed_into_kernels" + tag, routed, (x, *packed, wts, ids), same)
+                run_case(rec, "mxfp4_decode_layer_then_kernels" + tag, decode_first, (x, *packed, wts, ids), same)
+                run_case(rec, "bf16_weights" + tag, routed, (x, *dense, wts, ids), same)
         except Exception as e:
             rec["error"] = repr(e)[:800]
         return rec
@@ -250,12 +264,15 @@ def part_jax(budget_s: float) -> None:
     # reading 4.25 bits per weight instead of 16 should pay for the in-kernel decode
     # (candidates: 32-row tiles at 4 warps, one warpgroup, so each decodes its own 64 weight rows)
     small = [T(32, 64, 64, 4, 4, weights_lhs=True), T(32, 128, 64, 4, 4, weights_lhs=True)]
+    # MXFP4 at decode size (default: DECODE_TILES_MXFP4, 32-row tiles with a 16-row tail): the bf16 default's
+    # tiles, and all-16-row tiles
+    small_mxfp4 = [pg.DECODE_TILES, T(16, 64, 64, 4, 4, weights_lhs=True)]
     one_warpgroup = [T(128, 64, 64, 4, 3), T(128, 64, 64, 4, 2), T(64, 128, 64, 4, 3)]
     cases = [
         ("gate_up_E28_decode", 28, True, [pg.gate_up_config(DECODE_ROWS, 28), *small],
-         [pg.gate_up_config(DECODE_ROWS, 28, mxfp4=True), *small], DECODE_ROWS),
+         [pg.gate_up_config(DECODE_ROWS, 28, mxfp4=True), *small_mxfp4], DECODE_ROWS),
         ("down_E28_decode", 28, False, [pg.down_config(DECODE_ROWS, 28), *small],
-         [pg.down_config(DECODE_ROWS, 28, mxfp4=True), *small], DECODE_ROWS),
+         [pg.down_config(DECODE_ROWS, 28, mxfp4=True), *small_mxfp4], DECODE_ROWS),
         ("gate_up_E28", 28, True, [pg.GATE_UP_DEFAULT],
          [pg.gate_up_config(M, 28, mxfp4=True), mx(pg.GATE_UP_DEFAULT), pg.GATE_UP_DEFAULT], M),
         ("down_E28", 28, False, [pg.DOWN_DEFAULT],
@@ -425,8 +442,10 @@ if __name__ == "__main__":
     ap.add_argument("--budget-s", type=float, default=200.0)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU (checks the script)")
     ap.add_argument("--cases", nargs="*", default=[], help="jax case labels to run (default: all)")
+    ap.add_argument("--repeat", type=int, default=1, help="time each forward GEMM config this many times")
     args = ap.parse_args()
     ONLY.update(args.cases)
+    REPEAT = args.repeat
     if args.smoke:
         M, H, F, INTERPRET = 256, 256, 256, True
     if args.part == "jax":
@@ -437,6 +456,7 @@ if __name__ == "__main__":
         part_report()
     else:
         for part in ("jax",) if args.smoke else ("jax", "torch"):
-            subprocess.run([sys.executable, __file__, "--part", part, "--budget-s", str(args.budget_s)]
+            subprocess.run([sys.executable, __file__, "--part", part, "--budget-s", str(args.budget_s),
+                            "--repeat", str(args.repeat), "--cases", *args.cases]
                            + ["--smoke"] * args.smoke, env=dict(os.environ), check=False)
         part_report()

@@ -169,9 +169,12 @@ def test_pallas_keeps_weights_packed_only_for_decode_sized_batches(name: str, pa
 
 
 def test_default_tiles_for_decode_sized_batches() -> None:
-    """Up to 32 rows per expert: one 32-row tile, 64 weight rows and one warpgroup per program, forward only."""
-    for cfg in (pg.gate_up_config(256, 28), pg.gate_up_config(896, 28, mxfp4=True), pg.down_config(256, 28)):
+    """Up to 32 rows per expert: one 32-row tile, 64 weight rows and one warpgroup per program, forward only;
+    with MXFP4 weights also a 16-row tile."""
+    for cfg in (pg.gate_up_config(256, 28), pg.down_config(256, 28)):
         assert cfg == pg.DECODE_TILES
+    for cfg in (pg.gate_up_config(896, 28, mxfp4=True), pg.down_config(256, 28, mxfp4=True)):
+        assert cfg == pg.DECODE_TILES_MXFP4 and cfg.tail_m == 16
     assert pg.gate_up_config(897, 28) != pg.DECODE_TILES
     assert pg.down_config(256, 28, backward=True) == pg.DOWN_SMALL_GROUPS
 
