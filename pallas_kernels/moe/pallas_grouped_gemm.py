@@ -140,8 +140,8 @@ SMALL_GROUP_ROWS = 320  # average rows per expert below which the small-group co
 # Decode-sized batches (batch_size.is_decode_sized, e.g. 256 routed rows over 28
 # experts): one 32-row tile per expert, 64 weight rows per program and 4 warps, one warpgroup, so that each
 # program decodes (MXFP4) its own weight rows once rather than two warpgroups decoding the same tile. On the
-# H200 (2026-11-29, 256 rows, E=28): gate+up 0.363 vs 0.392 ms (bf16 weights) and 0.461 vs 0.745 ms (MXFP4),
-# down 0.195 vs 0.227 and 0.221 vs 0.281 ms against the small-group configs.
+# H200 (2026-11-29, 256 rows, E=28): gate+up 0.363 vs 0.392 ms (bf16 weights) and 0.461 vs 0.745 ms (MXFP4,
+# before its 16-row tail below), down 0.195 vs 0.227 and 0.221 vs 0.281 ms against the small-group configs.
 DECODE_TILES = TileConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4, weights_lhs=True)
 # The same with MXFP4 weights, plus a 16-row tile for experts with at most 16 rows (the usual case at ~9 rows
 # per expert). On the H200 (2026-11-30, 256 rows over 28 experts, three interleaved repeats, median ms):
