@@ -261,12 +261,11 @@ def part_jax(budget_s: float) -> None:
     mx = functools.partial(pg.for_weights, mxfp4=True)
     separate_tail = lambda cfg: dataclasses.replace(cfg, merge_tail=False)  # noqa: E731
     # decode-sized batches first (DECODE_ROWS rows over 28 experts, ~9 per expert): weight-bandwidth bound, where
-    # reading 4.25 bits per weight instead of 16 should pay for the in-kernel decode
-    # (candidates: 32-row tiles at 4 warps, one warpgroup, so each decodes its own 64 weight rows)
-    small = [T(32, 64, 64, 4, 4, weights_lhs=True), T(32, 128, 64, 4, 4, weights_lhs=True)]
-    # MXFP4 at decode size (default: DECODE_TILES_MXFP4, 32-row tiles with a 16-row tail): the bf16 default's
-    # tiles, and all-16-row tiles
-    small_mxfp4 = [pg.DECODE_TILES, T(16, 64, 64, 4, 4, weights_lhs=True)]
+    # reading 4.25 bits per weight instead of 16 should pay for the in-kernel decode. Defaults: DECODE_TILES
+    # (32-row tiles at 4 warps, one warpgroup, so each decodes its own 64 weight rows) for bf16 weights,
+    # DECODE_TILES_MXFP4 (the same with a 16-row tail) for MXFP4; each also runs the other's tiles
+    small = [pg.DECODE_TILES_MXFP4]
+    small_mxfp4 = [pg.DECODE_TILES]
     one_warpgroup = [T(128, 64, 64, 4, 3), T(128, 64, 64, 4, 2), T(64, 128, 64, 4, 3)]
     cases = [
         ("gate_up_E28_decode", 28, True, [pg.gate_up_config(DECODE_ROWS, 28), *small],
