@@ -144,9 +144,10 @@ SMALL_GROUP_ROWS = 320  # average rows per expert below which the small-group co
 # before its 16-row tail below), down 0.195 vs 0.227 and 0.221 vs 0.281 ms against the small-group configs.
 DECODE_TILES = TileConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4, weights_lhs=True)
 # The same with MXFP4 weights, plus a 16-row tile for experts with at most 16 rows (the usual case at ~9 rows
-# per expert). On the H200 (2026-11-30, 256 rows over 28 experts, three interleaved repeats, median ms):
-# gate+up 0.389 vs 0.451 for DECODE_TILES (bf16 weights: 0.372, so 0.96x), down 0.224 vs 0.246 (bf16: 0.205,
-# 0.92x). All-16-row tiles were close (0.409 / 0.213) but decode an expert's weights twice past 16 rows.
+# per expert). On the H200 (2026-11-30, 256 rows over 28 experts, three jobs of three interleaved repeats,
+# median ms): gate+up 0.389-0.395 vs 0.444-0.469 for DECODE_TILES (0.90-1.00x the bf16 kernel on bf16 weights),
+# down 0.222-0.233 vs 0.227-0.250 (0.85-1.05x). All-16-row tiles were close but decode an expert's weights
+# twice past 16 rows; bf16 weights gained nothing from the tail (0.364 vs 0.357, 0.201 vs 0.198).
 DECODE_TILES_MXFP4 = dataclasses.replace(DECODE_TILES, tail_m=16)
 
 
