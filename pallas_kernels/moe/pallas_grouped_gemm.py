@@ -277,10 +277,12 @@ def _situ_f32(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None
     return gate * up
 
 
-def _weight_tile(w_refs, grp, n0, k0, bn: int, bk: int, dtype, fragment: bool) -> jax.Array:
-    """The [bn, bk] weight tile of expert grp at (n0, k0): a plain load, or packed codes + scales decoded
-    (in fragment order when x's columns are)."""
+def _weight_tile(w_refs, grp, n0, k0, bn: int, bk: int, dtype, fragment: bool, kn: bool) -> jax.Array:
+    """The [bn, bk] weight tile of expert grp at (n0, k0) ([bk, bn] when the weights are stored [E, K, N],
+    ``kn``): a plain load, or packed codes + scales decoded (in fragment order when x's columns are)."""
     if len(w_refs) == 1:
+        if kn:
+            return w_refs[0][grp, pl.ds(k0, bk), pl.ds(n0, bn)]
         return w_refs[0][grp, pl.ds(n0, bn), pl.ds(k0, bk)]
     packed_ref, scale_ref = w_refs
     packed = packed_ref[grp, pl.ds(n0, bn), pl.ds(pl.multiple_of(k0 // 2, bk // 2), bk // 2)]
@@ -289,7 +291,7 @@ def _weight_tile(w_refs, grp, n0, k0, bn: int, bk: int, dtype, fragment: bool) -
 
 
 def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused: bool, mxfp4: bool, beta,
-            linear_beta, approx: bool, fragment: bool):
+            linear_beta, approx: bool, fragment: bool, kn: bool):
     per_weight = 2 if mxfp4 else 1  # refs: (packed, scale) per MXFP4 weight, else one array
     w1_refs = refs[:per_weight]
     w3_refs = refs[per_weight:2 * per_weight] if fused else None
@@ -302,12 +304,12 @@ def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused
     grp = meta_ref[pid, 2]
     n0 = pl.multiple_of(meta_ref[pid, 3] * bn, bn)
     active = row_start < row_end
-    dims = (((1,), (1,)), ((), ()))  # a [., bk] . b [., bk]^T
+    w_contract = 0 if kn else 1  # the weight tile's k axis: [bk, bn] or [bn, bk]
 
     def mma(xt, wt):
-        if cfg.weights_lhs:
-            return jax.lax.dot_general(wt, xt, dims, preferred_element_type=F32)  # [bn, rows]
-        return jax.lax.dot_general(xt, wt, dims, preferred_element_type=F32)  # [rows, bn]
+        if cfg.weights_lhs:  # [bn, rows]
+            return jax.lax.dot_general(wt, xt, (((w_contract,), (1,)), ((), ())), preferred_element_type=F32)
+        return jax.lax.dot_general(xt, wt, (((1,), (w_contract,)), ((), ())), preferred_element_type=F32)
 
     def tile(heights: tuple[int, ...], compute: bool):
         """Load sum(heights) rows from an in-bounds start, as one MMA operand per height (a merged tile is
@@ -324,7 +326,7 @@ def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused
             xts = [x_ref[pl.ds(load_start + off, h), pl.ds(k0, bk)] for h, off in zip(heights, offsets)]
             new = []
             for i, w_refs in enumerate((w1_refs, w3_refs) if fused else (w1_refs,)):
-                wt = _weight_tile(w_refs, grp, n0, k0, bn, bk, xts[0].dtype, fragment)  # once for all parts
+                wt = _weight_tile(w_refs, grp, n0, k0, bn, bk, xts[0].dtype, fragment, kn)  # once for all parts
                 new.append(tuple(acc + mma(xt, wt) for acc, xt in zip(accs[i], xts)))
             return tuple(new)
 
@@ -359,18 +361,22 @@ def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused
     pl.when(active & ~real)(lambda: run(False))  # rows past sum(group_sizes)
 
 
-def _check(x, ws, group_sizes, cfg: TileConfig) -> bool:
-    """Validate shapes and tiles; True when the weights are MXFP4-packed."""
+def _check(x, ws, group_sizes, cfg: TileConfig, kn: bool = False) -> tuple[bool, int]:
+    """Validate shapes and tiles; (whether the weights are MXFP4-packed, N)."""
     m, k = x.shape
     mxfp4 = isinstance(ws[0], MXFP4Experts)
+    k_axis, layout = (1, f"[E, {k}, N]") if kn else (2, f"[E, N, {k}]")
     for name, w in zip(("w1", "w3"), ws):
         if isinstance(w, MXFP4Experts) != mxfp4:
             raise ValueError(f"{name}: gate and up weights must both be MXFP4Experts or both arrays")
-        if len(w.shape) != 3 or w.shape[2] != k or w.shape[0] != group_sizes.shape[0] or w.shape != ws[0].shape:
-            raise ValueError(f"{name} must be [E, N, {k}] with E={group_sizes.shape[0]} (decoded shape); got {w.shape}")
+        if kn and mxfp4:
+            raise ValueError(f"{name}: weights_kn=True takes dense weights; MXFP4 ones are stored [E, N, K/2]")
+        if (len(w.shape) != 3 or w.shape[k_axis] != k or w.shape[0] != group_sizes.shape[0]
+                or w.shape != ws[0].shape):
+            raise ValueError(f"{name} must be {layout} with E={group_sizes.shape[0]} (decoded shape); got {w.shape}")
         if mxfp4 and w.scale.shape != (*w.shape[:2], k // BLOCK):
             raise ValueError(f"{name}: MXFP4 scale must be {(*w.shape[:2], k // BLOCK)}, got {w.scale.shape}")
-    n = ws[0].shape[1]
+    n = ws[0].shape[2 if kn else 1]
     if k % cfg.block_k or n % cfg.block_n:
         raise ValueError(f"K={k} and N={n} must be multiples of block_k={cfg.block_k} / block_n={cfg.block_n}")
     if cfg.tail_m is not None and not (16 <= cfg.tail_m < cfg.block_m and cfg.tail_m & (cfg.tail_m - 1) == 0):
@@ -381,16 +387,15 @@ def _check(x, ws, group_sizes, cfg: TileConfig) -> bool:
         raise ValueError(f"block_k={cfg.block_k}: MXFP4 weights need a multiple of {BLOCK} (one scale per {BLOCK})")
     if m == 0:
         raise ValueError("x has no rows")
-    return mxfp4
+    return mxfp4, n
 
 
 def _grouped_call(x, ws, group_sizes, *, cfg: TileConfig, fused: bool, beta, linear_beta, out_dtype,
-                  interpret: bool, approx: bool = False, fragment: bool = False):
-    mxfp4 = _check(x, ws, group_sizes, cfg)
+                  interpret: bool, approx: bool = False, fragment: bool = False, kn: bool = False):
+    mxfp4, n = _check(x, ws, group_sizes, cfg, kn)
     if fragment and not mxfp4:
         raise ValueError("x_fragment_order=True is for MXFP4 weights (mxfp4_order.py); these are dense")
     m0, _ = x.shape
-    n = ws[0].shape[1]
     tallest = cfg.block_m + _merge_rows(cfg)
     if m0 < tallest:  # tiny inputs: pad rows so the tallest row tile is always in bounds
         x = jnp.pad(x, ((0, tallest - m0), (0, 0)))
@@ -399,7 +404,7 @@ def _grouped_call(x, ws, group_sizes, *, cfg: TileConfig, fused: bool, beta, lin
     meta = _schedule(group_sizes, m, cfg.block_m, num_n_blocks, _merge_rows(cfg))
     kernel = functools.partial(_kernel, num_rows=m, num_groups=group_sizes.shape[0], cfg=cfg, fused=fused,
                                mxfp4=mxfp4, beta=beta, linear_beta=linear_beta, approx=approx and not interpret,
-                               fragment=fragment)
+                               fragment=fragment, kn=kn)
     operands = [a for w in ws for a in ((w.packed, w.scale) if mxfp4 else (w,))]
     name = "k3_moe_gate_up_situ" if fused else "k3_moe_grouped_matmul"
     out = pl.pallas_call(
@@ -437,17 +442,21 @@ def grouped_gate_up_situ(
                          fragment=x_fragment_order)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "x_fragment_order"))
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "x_fragment_order", "weights_kn"))
 def grouped_matmul(
     x: jax.Array, w: Weight, group_sizes: jax.Array, *, cfg: TileConfig | None = None, out_dtype=None,
-    interpret: bool = False, x_fragment_order: bool = False,
+    interpret: bool = False, x_fragment_order: bool = False, weights_kn: bool = False,
 ) -> jax.Array:
     """x @ w_e^T for rows grouped by expert (fp32 accumulation). x [M, K]; w [E, N, K] -> [M, N].
 
-    cfg: None picks `down_config(M, E, packed)`. x_fragment_order: as in `grouped_gate_up_situ`."""
+    cfg: None picks `down_config(M, E, packed)`. x_fragment_order: as in `grouped_gate_up_situ`.
+    weights_kn: w is [E, K, N] and the result x @ w_e (dense weights): the backward multiplies by the forward's
+    weights untransposed (dh = dy W2_e with W2 [E, out, F]), and loading [bk, bn] tiles of them costs nothing
+    where a transposed copy would read and write the whole layer."""
     cfg = cfg or down_config(x.shape[0], w.shape[0], isinstance(w, MXFP4Experts))
     return _grouped_call(x, (w,), group_sizes, cfg=cfg, fused=False, beta=None, linear_beta=None,
-                         out_dtype=out_dtype or x.dtype, interpret=interpret, fragment=x_fragment_order)
+                         out_dtype=out_dtype or x.dtype, interpret=interpret, fragment=x_fragment_order,
+                         kn=weights_kn)
 
 
 # ---- transposed grouped GEMM (weight gradients): contraction over each group's rows ---------------------

@@ -8,19 +8,21 @@ grouped GEMMs but avoids keeping two [M, F] fp32 tensors alive between forward a
 
   g, u      = x W1^T, x W3^T                          Pallas grouped_matmul (x2, fp32 out)
   h, dS/dg, dS/du                                      elementwise fp32 (XLA fuses it)
-  dh        = dy W2_e                                  Pallas grouped_matmul on W2 transposed [E, F, out]
-  dg, du    = dh * dS/dg, dh * dS/du                   elementwise fp32
-  dx        = [dg du] [W1_e; W3_e]                     Pallas grouped_matmul, one GEMM with K = 2F
+  dh        = dy W2_e                                  Pallas grouped_matmul on W2 as stored (weights_kn)
+  dg, du    = dh * dS/dg, dh * dS/du                   elementwise fp32, rounded to the rows' dtype
+  dx        = dg W1_e + du W3_e                        two Pallas grouped_matmuls (weights_kn), summed in fp32
   dW2_e     = dy_e^T h_e                               Pallas grouped_matmul_tn (contraction over rows)
-  [dW1; dW3]_e = [dg du]_e^T x_e                       Pallas grouped_matmul_tn, one GEMM for both
+  dW1_e, dW3_e = dg_e^T x_e, du_e^T x_e                Pallas grouped_matmul_tn, each written in the weights'
+                                                       dtype from its fp32 accumulator
 
 The three weight gradients contract over each expert's rows (a "transposed" grouped GEMM whose output is
 one [P, Q] block per expert): `grouped_matmul_tn`, one program per (expert, output tile) looping over the
 expert's row tiles; it equals `lax.ragged_dot_general` with a ragged contracting dimension
 (`_ragged_rows_outer`, kept as its test oracle). It is tested in interpret mode and lowers to Triton IR,
-but has not been run or tuned on a GPU (tile choice is `bwd_cfg`'s, untuned; expert load imbalance is not
-split across programs). The weight transposes W2 -> [E, F, out] and [W1; W3] -> [E, in, 2F] are XLA copies
-of one layer's experts (a transposed-weight load in the kernel would remove them).
+but its tiles are `bwd_cfg`'s, not tuned for it (expert load imbalance is not split across programs). The
+products with the forward's weights load them as stored, [E, K, N] tiles (`weights_kn`), so no transposed
+or concatenated copy of a layer's experts is made; the weight gradients are written in the weights' dtype
+straight from the fp32 accumulators, not as fp32 arrays cast afterwards.
 
 SiTU derivative (fp32): with t1 = tanh(g/b1), s = sigmoid(g), gate = b1 t1 s,
   d gate / dg = (1 - t1^2) s + b1 t1 s (1 - s) = (1 - t1^2) s + gate (1 - s);
@@ -120,19 +122,20 @@ def _expert_mlp_bwd(beta, linear_beta, interpret, gate_up_cfg, down_cfg, bwd_cfg
     h, dsdg, dsdu = situ_and_grads(g, u, beta, linear_beta)
     h = h.astype(rows.dtype)  # the forward's rounding of the hidden state (the down GEMM's operand)
     dy = dy.astype(rows.dtype)
-    dh = gemm(dy, jnp.swapaxes(w2, 1, 2), cfg=_fit(bwd_cfg, d_out, hidden))  # [M, F] fp32
-    dgu = jnp.concatenate([dh * dsdg, dh * dsdu], axis=1).astype(rows.dtype)  # [M, 2F]
-    w13_t = jnp.swapaxes(jnp.concatenate([w1, w3], axis=1), 1, 2)  # [E, in, 2F]
-    dx = gemm(dgu, w13_t, cfg=_fit(bwd_cfg, 2 * hidden, d_in))
-    tn = functools.partial(grouped_matmul_tn, group_sizes=group_sizes, out_dtype=F32, interpret=interpret)
+    # the forward's weights as they are ([E, K, N] for these products): no transposed copy of the layer
+    dh = gemm(dy, w2, cfg=_fit(bwd_cfg, d_out, hidden), weights_kn=True)  # [M, F] fp32
+    dg, du = ((dh * d).astype(rows.dtype) for d in (dsdg, dsdu))
+    dx_cfg = _fit(bwd_cfg, hidden, d_in)
+    dx = gemm(dg, w1, cfg=dx_cfg, weights_kn=True) + gemm(du, w3, cfg=dx_cfg, weights_kn=True)  # fp32 sum
     packed = [isinstance(w, MXFP4Experts) for w in stored]  # no gradient for integer codes
+    tn = functools.partial(grouped_matmul_tn, group_sizes=group_sizes, interpret=interpret)  # fp32 accumulation
     dw1 = dw2 = dw3 = None
     if not packed[1]:
-        dw2 = tn(dy, h, cfg=_fit_tn(bwd_cfg, d_out, hidden)).astype(w2.dtype)  # [E, out, F]
-    if not (packed[0] and packed[2]):
-        dw13 = tn(dgu, rows, cfg=_fit_tn(bwd_cfg, 2 * hidden, d_in))  # [E, 2F, in]
-        dw1 = None if packed[0] else dw13[:, :hidden].astype(w1.dtype)
-        dw3 = None if packed[2] else dw13[:, hidden:].astype(w3.dtype)
+        dw2 = tn(dy, h, cfg=_fit_tn(bwd_cfg, d_out, hidden), out_dtype=w2.dtype)  # [E, out, F]
+    if not packed[0]:
+        dw1 = tn(dg, rows, cfg=_fit_tn(bwd_cfg, hidden, d_in), out_dtype=w1.dtype)  # [E, F, in]
+    if not packed[2]:
+        dw3 = tn(du, rows, cfg=_fit_tn(bwd_cfg, hidden, d_in), out_dtype=w3.dtype)
     return (dx.astype(rows.dtype), dw1, dw2, dw3, None)
 
 

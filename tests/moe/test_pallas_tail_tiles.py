@@ -6,7 +6,8 @@ last block_m boundary), so the checks are: the MMA-row accounting (`mma_rows`) p
 numerics against `lax.ragged_dot` (fp32 out, rel <= 1e-5: same bf16 products, fp32 summation order only)
 for remainders below, at and above tail_m, in both operand orientations, dense and MXFP4 weights.
 With merge_tail the remainder instead joins the expert's last full tile (one program of block_m + tail_m
-rows); the same checks apply, plus the table's row ranges themselves.
+rows); the same checks apply, plus the table's row ranges themselves. Weights stored [E, K, N]
+(`weights_kn`, the backward's products with the forward's weights) run through the same tile shapes.
 """
 
 from __future__ import annotations
@@ -152,3 +153,27 @@ def test_default_configs_by_group_size_and_weight_format() -> None:
     for cfg in (pg.gate_up_config(16384, 28, mxfp4=True), pg.down_config(16384, 112, mxfp4=True)):
         assert cfg.weights_lhs
     assert pg.gate_up_config(16384, 28, mxfp4=True) == pg.GATE_UP_MXFP4  # one warpgroup per program
+
+
+@pytest.mark.parametrize("weights_lhs, merge_tail", [(False, False), (True, False), (True, True)])
+def test_weights_stored_k_by_n(weights_lhs: bool, merge_tail: bool) -> None:
+    """weights_kn: w [E, K, N] gives x @ w_e, as the [E, N, K] layout does with the transposed weights
+    (fp32 out, rel <= 1e-6: the same products, summed in another order when the weights are the MMA's lhs)."""
+    x, w1, _ = operands()
+    gs = jnp.asarray(GROUPS["merged_cuts_both_ways"], jnp.int32)
+    cfg = dataclasses.replace(CFG, weights_lhs=weights_lhs, merge_tail=merge_tail)
+    w_kn = jnp.swapaxes(w1, 1, 2)  # [E, K, N]
+    got = pg.grouped_matmul(x, w_kn, gs, cfg=cfg, out_dtype=F32, interpret=True, weights_kn=True)
+    want = pg.grouped_matmul(x, w1, gs, cfg=cfg, out_dtype=F32, interpret=True)
+    assert got.shape == (M, N) and rel(got, want) <= 1e-6
+    assert rel(got, ragged_f32(x, w1, gs)) <= 1e-5
+
+
+def test_weights_kn_rejects_bad_layouts() -> None:
+    x, w1, _ = operands()
+    gs = jnp.asarray(GROUPS["empty_first_last"], jnp.int32)
+    with pytest.raises(ValueError, match=r"w1 must be \[E, 64, N\]"):
+        pg.grouped_matmul(x, jnp.zeros((E, K + 32, N), jnp.bfloat16), gs, cfg=CFG, interpret=True, weights_kn=True)
+    packed = MXFP4Experts(*map(jnp.asarray, encode_mxfp4(np.ones((E, N, K), np.float32))))
+    with pytest.raises(ValueError, match="weights_kn=True takes dense weights"):
+        pg.grouped_matmul(x, packed, gs, cfg=CFG, interpret=True, weights_kn=True)
