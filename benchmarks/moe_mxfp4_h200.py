@@ -68,7 +68,7 @@ def part_jax(budget_s: float) -> None:
     from pallas_kernels.moe import pallas_grouped_gemm as pg
     from pallas_kernels.moe.mxfp4_order import fragment_order
     from pallas_kernels.moe.pallas_experts import experts_pallas
-    from pallas_kernels.moe.pallas_vjp import expert_mlp
+    from pallas_kernels.moe.pallas_vjp import _ragged_rows_outer, expert_mlp
     from pallas_kernels.moe.api import routed_experts
     from pallas_kernels.moe.reference import _RAGGED_DIMS, MXFP4Experts, experts_ragged_dot, situ
 
@@ -302,6 +302,24 @@ def part_jax(budget_s: float) -> None:
             forward_case(rec, num_experts, fused, k_dim, n_w, bf16_cfgs, mxfp4_cfgs, m)
         except Exception as e:  # setup or reference failed: record it, run the next case
             rec["error"] = repr(e)[:800]
+        res[label] = rec
+        save()
+
+    # -- 2b. the weight-gradient GEMM alone (only with --cases): dW1_e = dg_e^T x_e at E=28, tile candidates --
+    label = "tn_E28_tiles"
+    if label in ONLY:
+        kd, kx = jax.random.split(jax.random.key(5))
+        dg = jax.random.normal(kd, (M, F), jnp.bfloat16)
+        x = jax.random.normal(kx, (M, H), jnp.bfloat16)
+        gs = jnp.asarray(uniform_sizes(28), jnp.int32)
+        rec = {"label": label, "GFLOP": 2 * M * F * H / 1e9}
+        want = jax.jit(lambda a, b: _ragged_rows_outer(a, b, gs))(dg, x)
+        tn_check = lambda out: (lambda e: (e, e <= 1e-2))(rel(out, want))  # noqa: E731
+        for cfg in (T(128, 256, 64, 8, 4), T(128, 256, 128, 8, 3), T(128, 128, 64, 8, 4), T(256, 128, 64, 8, 3),
+                    T(128, 256, 32, 8, 6)):  # block_m: P tile, block_n: Q tile, block_k: rows per step
+            fn = jax.jit(functools.partial(pg.grouped_matmul_tn, group_sizes=gs, cfg=cfg, out_dtype=jnp.bfloat16,
+                                           interpret=INTERPRET))
+            run_case(rec, "tn_" + cfg.label(), fn, (dg, x), tn_check)
         res[label] = rec
         save()
 

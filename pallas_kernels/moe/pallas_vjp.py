@@ -18,8 +18,8 @@ grouped GEMMs but avoids keeping two [M, F] fp32 tensors alive between forward a
 The three weight gradients contract over each expert's rows (a "transposed" grouped GEMM whose output is
 one [P, Q] block per expert): `grouped_matmul_tn`, one program per (expert, output tile) looping over the
 expert's row tiles; it equals `lax.ragged_dot_general` with a ragged contracting dimension
-(`_ragged_rows_outer`, kept as its test oracle). It is tested in interpret mode and lowers to Triton IR,
-but its tiles are `bwd_cfg`'s, not tuned for it (expert load imbalance is not split across programs). The
+(`_ragged_rows_outer`, kept as its test oracle); its tiles are `bwd_cfg`'s (block_k 32 with 6 stages ran
+5% faster than the default 64 / 4 in one H200 job; expert load imbalance is not split across programs). The
 products with the forward's weights load them as stored, [E, K, N] tiles (`weights_kn`), so no transposed
 or concatenated copy of a layer's experts is made; the weight gradients are written in the weights' dtype
 straight from the fp32 accumulators, not as fp32 arrays cast afterwards.
