@@ -4,7 +4,9 @@ Forward (per expert e, on its rows x_e):  g = x W1_e^T,  u = x W3_e^T,  h = SiTU
 with SiTU(g, u) = b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2) in fp32 (fused gate+up kernel, then down GEMM).
 
 Backward (analytic), nothing but the inputs is kept from the forward (g, u are recomputed, which costs two
-grouped GEMMs but avoids keeping two [M, F] fp32 tensors alive between forward and backward):
+grouped GEMMs but avoids keeping two [M, F] fp32 tensors alive between forward and backward; one gate+up
+kernel with the derivative in its epilogue was timed on the H200 and was no faster, 6.78 vs 6.68 ms for the
+whole forward + backward at 28 experts x 16384 rows):
 
   g, u      = x W1^T, x W3^T                          Pallas grouped_matmul (x2, fp32 out)
   h, dS/dg, dS/du                                      elementwise fp32 (XLA fuses it)
