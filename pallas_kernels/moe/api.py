@@ -47,11 +47,11 @@ def routed_experts(
     is decode-sized (at most 32 routed rows per expert on average, `is_decode_sized`): there the weight
     bytes set the time, and on the H200 (256 rows, 28 experts, 2026-11-30) the packed gate+up / down took
     0.39-0.40 / 0.22-0.23 ms, about as fast as the bf16 kernels on bf16 weights (0.36-0.39 / 0.20-0.23),
-    where decoding the layer in XLA alone takes about 0.78 / 0.41 ms. Otherwise every implementation decodes the whole layer's experts to x's dtype right
-    before its GEMMs (`decode_experts`; a transient copy of one layer's experts): at 16384 rows the tile
-    decode ran 224 / 238 TFLOP/s (gate+up 269 with later tiles) against 342 / 339 for decoding first
-    (benchmarks/moe_mxfp4_h200.py).
-    Both are exact, so the packed and the decoded model give identical results.
+    where decoding the layer in XLA alone takes about 0.78 / 0.41 ms. Otherwise every implementation
+    decodes the whole layer's experts to x's dtype right before its GEMMs (`decode_experts`; a transient
+    copy of one layer's experts): at 16384 rows the tile decode ran 224 / 238 TFLOP/s (gate+up 269 with
+    later tiles) against 342 / 339 for decoding first (benchmarks/moe_mxfp4_h200.py). Both are exact, so
+    the packed and the decoded model give identical results.
     """
     if implementation == "auto":
         implementation = auto_implementation(x.dtype)
