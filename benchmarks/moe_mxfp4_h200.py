@@ -5,6 +5,7 @@ Usage on the GPU machine (one job, about 3-4 minutes; torch runs in its own proc
     PYTHONPATH=. python3 benchmarks/moe_mxfp4_h200.py              # jax part, torch part, then the table
     PYTHONPATH=. python3 benchmarks/moe_mxfp4_h200.py --part jax|torch|report
     PYTHONPATH=. python3 benchmarks/moe_mxfp4_h200.py --part jax --cases gate_up_E112 down_E112   # a subset
+    PYTHONPATH=. python3 benchmarks/moe_mxfp4_h200.py --part jax --repeat 3 --cases gate_up_E28_decode   # 3x, interleaved
 
 Results land in $OUT (or .) as moe_mxfp4_jax.json / moe_mxfp4_torch.json. Every case is checked before it is
 timed; a case that fails (compile error, wrong numbers) is recorded and the others still run.
@@ -20,6 +21,8 @@ Cases (K3 per-GPU slices, M = 16384 rows sorted by expert, group sizes uniform):
   * gate+up and down at E=112 (146-147 rows per expert): 128-row tiles with a 32-row tail merged into the
     same program (the small-group default) vs the tail in a program of its own; mma_rows_* = rows of MMA
     work per column block (useful: 16384);
+  * only when named in --cases: gate_up_E28_tiles (one-warpgroup tile candidates at E=28, bf16 and MXFP4) and
+    tn_E28_tiles (the weight-gradient GEMM alone, tile candidates);
   * expert MLP forward+backward at E=28 (pallas_vjp.expert_mlp) vs jax autodiff of the lax.ragged_dot MLP,
     and (torch part) torch._grouped_mm forward + autograd backward of the same MLP; torch._grouped_mm
     alone for each forward GEMM.
@@ -315,8 +318,8 @@ def part_jax(budget_s: float) -> None:
         rec = {"label": label, "GFLOP": 2 * M * F * H / 1e9}
         want = jax.jit(lambda a, b: _ragged_rows_outer(a, b, gs))(dg, x)
         tn_check = lambda out: (lambda e: (e, e <= 1e-2))(rel(out, want))  # noqa: E731
-        for cfg in (T(128, 256, 64, 8, 4), T(128, 256, 128, 8, 3), T(128, 128, 64, 8, 4), T(256, 128, 64, 8, 3),
-                    T(128, 256, 32, 8, 6)):  # block_m: P tile, block_n: Q tile, block_k: rows per step
+        # block_m: P tile, block_n: Q tile, block_k: rows per step (128 rows per step exceeds shared memory)
+        for cfg in (T(128, 256, 64, 8, 4), T(128, 256, 32, 8, 6), T(128, 128, 64, 8, 4), T(256, 128, 64, 8, 3)):
             fn = jax.jit(functools.partial(pg.grouped_matmul_tn, group_sizes=gs, cfg=cfg, out_dtype=jnp.bfloat16,
                                            interpret=INTERPRET))
             run_case(rec, "tn_" + cfg.label(), fn, (dg, x), tn_check)
