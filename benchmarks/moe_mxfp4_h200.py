@@ -5,7 +5,7 @@ Usage on the GPU machine (one job, about 3-4 minutes; torch runs in its own proc
     PYTHONPATH=. python3 benchmarks/moe_mxfp4_h200.py              # jax part, torch part, then the table
     PYTHONPATH=. python3 benchmarks/moe_mxfp4_h200.py --part jax|torch|report
     PYTHONPATH=. python3 benchmarks/moe_mxfp4_h200.py --part jax --cases gate_up_E112 down_E112   # a subset
-    PYTHONPATH=. python3 benchmarks/moe_mxfp4_h200.py --part jax --repeat 3 --cases gate_up_E28_decode   # 3x, interleaved
+    PYTHONPATH=. python3 benchmarks/moe_mxfp4_h200.py --part jax --repeat 3 --cases gate_up_E28_decode  # 3x
 
 Results land in $OUT (or .) as moe_mxfp4_jax.json / moe_mxfp4_torch.json. Every case is checked before it is
 timed; a case that fails (compile error, wrong numbers) is recorded and the others still run.
