@@ -58,7 +58,7 @@ from pallas_kernels.kda.pallas_kda import (
     FEW_SEQUENCE_HEADS, default_inter, pallas_chunk_kda_fused_gate,
 )
 from pallas_kernels.kda.pallas_kda_bwd import pallas_chunk_kda_bwd
-from pallas_kernels.moe.pallas_grouped_gemm import grouped_gate_up_situ, grouped_matmul
+from pallas_kernels.moe.pallas_grouped_gemm import grouped_gate_up_situ, grouped_matmul, grouped_matmul_tn
 
 H200_CAPABILITY = 90
 TARGET = GPUTarget("cuda", H200_CAPABILITY, 32)
@@ -194,6 +194,7 @@ def usage(kernel: TritonKernel) -> Usage:
 
 KDA_B, KDA_T, KDA_H, KDA_D = 1, 256, 2, 128
 MOE_ROWS, MOE_HIDDEN, MOE_FFN, MOE_EXPERTS = 4096, 3584, 3072, 8
+MOE_SMALL_GROUP_EXPERTS = 32  # 128 rows per expert: the small-group tiles (merged 32-row tails)
 LOWER_BOUND = -5.0
 sds = jax.ShapeDtypeStruct
 
@@ -231,18 +232,24 @@ def _kda_bwd() -> tuple[Callable, tuple]:
     return fn, args
 
 
-def _moe_gate_up() -> tuple[Callable, tuple]:
+def _moe_gate_up(experts: int = MOE_EXPERTS) -> tuple[Callable, tuple]:
     """The default tile config (num_warps included) for these shapes."""
-    w = sds((MOE_EXPERTS, MOE_FFN, MOE_HIDDEN), jnp.bfloat16)
+    w = sds((experts, MOE_FFN, MOE_HIDDEN), jnp.bfloat16)
     x = sds((MOE_ROWS, MOE_HIDDEN), jnp.bfloat16)
-    return grouped_gate_up_situ, (x, w, w, sds((MOE_EXPERTS,), jnp.int32))
+    return grouped_gate_up_situ, (x, w, w, sds((experts,), jnp.int32))
 
 
-def _moe_down() -> tuple[Callable, tuple]:
+def _moe_down(experts: int = MOE_EXPERTS) -> tuple[Callable, tuple]:
     """As ``_moe_gate_up``; x is the gate_up output, [rows, ffn]."""
-    w = sds((MOE_EXPERTS, MOE_HIDDEN, MOE_FFN), jnp.bfloat16)
+    w = sds((experts, MOE_HIDDEN, MOE_FFN), jnp.bfloat16)
     x = sds((MOE_ROWS, MOE_FFN), jnp.bfloat16)
-    return grouped_matmul, (x, w, sds((MOE_EXPERTS,), jnp.int32))
+    return grouped_matmul, (x, w, sds((experts,), jnp.int32))
+
+
+def _moe_weight_grads() -> tuple[Callable, tuple]:
+    """The backward's dW1 = dg^T x per expert with its default tiles."""
+    rows = sds((MOE_ROWS, MOE_FFN), jnp.bfloat16), sds((MOE_ROWS, MOE_HIDDEN), jnp.bfloat16)
+    return grouped_matmul_tn, (*rows, sds((MOE_EXPERTS,), jnp.int32))
 
 
 CASES: dict[str, Callable[[int | None], tuple[Callable, tuple]]] = {
@@ -251,6 +258,9 @@ CASES: dict[str, Callable[[int | None], tuple[Callable, tuple]]] = {
     "kda_bwd": lambda _warps: _kda_bwd(),
     "moe_gate_up": lambda _warps: _moe_gate_up(),
     "moe_down": lambda _warps: _moe_down(),
+    "moe_gate_up_small_groups": lambda _warps: _moe_gate_up(MOE_SMALL_GROUP_EXPERTS),
+    "moe_down_small_groups": lambda _warps: _moe_down(MOE_SMALL_GROUP_EXPERTS),
+    "moe_weight_grads": lambda _warps: _moe_weight_grads(),
 }
 
 
@@ -264,7 +274,7 @@ def main() -> None:
     unknown = sorted(set(opts.cases) - set(CASES))
     if unknown:
         parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
-    header = (f"{'case':<17} {'kernel':<28} {'warps':>5} {'regs':>5} {'spill st':>9} {'spill ld':>9} "
+    header = (f"{'case':<24} {'kernel':<28} {'warps':>5} {'regs':>5} {'spill st':>9} {'spill ld':>9} "
               f"{'smem':>7}")
     print(header)
     print("-" * len(header))
@@ -272,7 +282,7 @@ def main() -> None:
         fn, args = CASES[case](opts.warps)
         for kernel in triton_kernels(fn, args):
             u = usage(kernel)
-            print(f"{case:<17} {kernel.name:<28} {kernel.num_warps:>5} {u.registers:>5} "
+            print(f"{case:<24} {kernel.name:<28} {kernel.num_warps:>5} {u.registers:>5} "
                   f"{u.spill_stores:>9} {u.spill_loads:>9} {u.shared_bytes:>7}", flush=True)
 
 
