@@ -67,12 +67,14 @@ def experts_pallas(
     (pallas_vjp.expert_mlp: recompute gate/up, Pallas grouped GEMMs for dh and dx, and the Pallas
     row-contracting grouped GEMM `grouped_matmul_tn` for the per-expert weight gradients); gather,
     padding, routing weights and scatter-add are plain JAX. bwd_cfg: tiles of the backward's grouped GEMMs
-    (None: `down_config` for bf16 weights, which adds the 32-row tail tile when experts are small).
+    (None: `down_config` for bf16 weights, which merges a 32-row tail into the full tiles when experts are
+    small).
     Weights may be `MXFP4Experts`: the grouped GEMMs then read the packed codes and scales and decode each
     tile in registers (mxfp4_tile.py); the backward decodes the layer in XLA (packed weights get no gradient).
-    On an H200 (2026-11-29, one ad-hoc run): bf16 gradients within 3-5e-3 of an fp32 oracle (XLA's bf16 path:
-    the same), fwd+bwd 12.5 ms vs 1210 ms for XLA autodiff of experts_ragged_dot at 2048 tokens x top-8,
-    28 experts, 3584 -> 3072.
+    On an H200 (2026-11-29, one ad-hoc run, before the backward's 2026-11-30 speed-ups): bf16 gradients within
+    3-5e-3 of an fp32 oracle (XLA's bf16 path: the same), fwd+bwd 12.5 ms vs 1210 ms for XLA autodiff of
+    experts_ragged_dot at 2048 tokens x top-8, 28 experts, 3584 -> 3072. The expert MLP alone now runs
+    1.38x torch's grouped GEMMs with autograd (benchmarks/RESULTS.md).
     """
     num_tokens = ids.shape[0]
     order, token_of, group_sizes = sort_by_expert(ids, w1.shape[0])
