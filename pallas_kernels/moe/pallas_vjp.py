@@ -24,7 +24,10 @@ expert's row tiles; it equals `lax.ragged_dot_general` with a ragged contracting
 5% faster than the default 64 / 4 in one H200 job; expert load imbalance is not split across programs). The
 products with the forward's weights load them as stored, [E, K, N] tiles (`weights_kn`), so no transposed
 or concatenated copy of a layer's experts is made; the weight gradients are written in the weights' dtype
-straight from the fp32 accumulators, not as fp32 arrays cast afterwards.
+straight from the fp32 accumulators, not as fp32 arrays cast afterwards. Timed on the H200 at 28 experts
+(benchmarks/RESULTS.md); the small-group tiles' path (weights as the MMA's left operand with [E, K, N]
+tiles, e.g. 112 experts) is tested in interpret mode and compiles for sm_90 offline, but was not yet run
+on a GPU.
 
 SiTU derivative (fp32): with t1 = tanh(g/b1), s = sigmoid(g), gate = b1 t1 s,
   d gate / dg = (1 - t1^2) s + b1 t1 s (1 - s) = (1 - t1^2) s + gate (1 - s);
