@@ -23,9 +23,9 @@ Cases (K3 per-GPU slices, M = 16384 rows sorted by expert, group sizes uniform):
     work per column block (useful: 16384);
   * only when named in --cases: gate_up_E28_tiles (one-warpgroup tile candidates at E=28, bf16 and MXFP4) and
     tn_E28_tiles (the weight-gradient GEMM alone, tile candidates);
-  * expert MLP forward+backward at E=28 (pallas_vjp.expert_mlp) vs jax autodiff of the lax.ragged_dot MLP,
-    and (torch part) torch._grouped_mm forward + autograd backward of the same MLP; torch._grouped_mm
-    alone for each forward GEMM.
+  * expert MLP forward+backward at E=28 and E=112 (pallas_vjp.expert_mlp, default tiles) vs jax autodiff of
+    the lax.ragged_dot MLP, and (torch part) torch._grouped_mm forward + autograd backward of the same MLP;
+    torch._grouped_mm alone for each forward GEMM.
 Numerics before timing: bf16 outputs vs an fp32 lax.ragged_dot reference (rel <= 1e-2; the bf16 output
 rounding alone is ~2e-3); MXFP4 vs the bf16 kernel on the decoded weights, bf16 out (rel <= 5e-3: only
 flipped roundings, a wrong nibble, sign or scale gives O(0.1)) and, for the default config, fp32 out
@@ -326,29 +326,24 @@ def part_jax(budget_s: float) -> None:
         res[label] = rec
         save()
 
-    # -- 3. expert MLP forward + backward at E=28 --------------------------------------------------------
-    label = "mlp_fwd_bwd_E28"
-    rec = {"label": label, "GFLOP": 3 * 2 * M * (H * 2 * F + F * H) / 1e9}
-    if ONLY and label not in ONLY:
-        res[label] = {"skipped": "not in --cases"}
-    elif time.time() - t0 > budget_s * 0.8:
-        res[label] = {"skipped": "time budget"}
-    else:
+    # -- 3. expert MLP forward + backward at E=28 and E=112, default tiles ---------------------------------
+    def mlp_case(label: str, num_experts: int) -> dict:
+        rec = {"label": label, "GFLOP": 3 * 2 * M * (H * 2 * F + F * H) / 1e9}
         ks = jax.random.split(jax.random.key(3), 5)
         rows = jax.random.normal(ks[0], (M, H), jnp.bfloat16)
-        w1 = (jax.random.normal(ks[1], (28, F, H), jnp.float32) * 2 * H**-0.5).astype(jnp.bfloat16)
-        w3 = (jax.random.normal(ks[2], (28, F, H), jnp.float32) * H**-0.5).astype(jnp.bfloat16)
-        w2 = (jax.random.normal(ks[3], (28, H, F), jnp.float32) * F**-0.5).astype(jnp.bfloat16)
+        w1 = (jax.random.normal(ks[1], (num_experts, F, H), jnp.float32) * 2 * H**-0.5).astype(jnp.bfloat16)
+        w3 = (jax.random.normal(ks[2], (num_experts, F, H), jnp.float32) * H**-0.5).astype(jnp.bfloat16)
+        w2 = (jax.random.normal(ks[3], (num_experts, H, F), jnp.float32) * F**-0.5).astype(jnp.bfloat16)
         cot = jax.random.normal(ks[4], (M, H), jnp.bfloat16)
-        gs = jnp.asarray(uniform_sizes(28), jnp.int32)
+        gs = jnp.asarray(uniform_sizes(num_experts), jnp.int32)
 
         def xla_mlp(r, a, b, c):
             g, u = ragged(r, a, gs).astype(r.dtype), ragged(r, c, gs).astype(r.dtype)
             return ragged(situ(g, u, BETA, LINEAR_BETA), b, gs).astype(r.dtype)
 
         def pallas_mlp(r, a, b, c):
-            return expert_mlp(r, a, b, c, gs, BETA, LINEAR_BETA, INTERPRET, pg.gate_up_config(M, 28),
-                              pg.down_config(M, 28), pg.DOWN_DEFAULT)
+            return expert_mlp(r, a, b, c, gs, BETA, LINEAR_BETA, INTERPRET, pg.gate_up_config(M, num_experts),
+                              pg.down_config(M, num_experts), pg.down_config(M, num_experts, backward=True))
 
         def grads(mlp):
             loss = lambda r, a, b, c: jnp.sum(mlp(r, a, b, c).astype(jnp.float32) * cot)  # noqa: E731
@@ -370,7 +365,16 @@ def part_jax(budget_s: float) -> None:
             rec["xla_ragged_dot_autodiff"] = {"ms_med_p20_p80": ms, "TFLOPs": rec["GFLOP"] / ms[0]}
         except Exception as e:
             rec["error"] = repr(e)[:800]
-        res[label] = rec
+        return rec
+
+    for label, num_experts in (("mlp_fwd_bwd_E28", 28), ("mlp_fwd_bwd_E112", 112)):
+        if ONLY and label not in ONLY:
+            res[label] = {"skipped": "not in --cases"}
+        elif time.time() - t0 > budget_s * 0.8:
+            res[label] = {"skipped": "time budget"}
+        else:
+            res[label] = mlp_case(label, num_experts)
+        save()
     res["wall_s"] = time.time() - t0
     save()
 
@@ -405,26 +409,27 @@ def part_torch() -> None:
         print(label, res[label], flush=True)
         torch.cuda.empty_cache()
 
-    # expert MLP fwd + autograd bwd at E=28 (gate and up as one grouped GEMM with N = 2F, SiTU in torch ops)
-    offs = torch.cumsum(torch.tensor(uniform_sizes(28)), 0).to(torch.int32).to(dev)
-    x = torch.randn(M, H, device=dev, dtype=bf16, requires_grad=True)
-    w13, w13_t = weights(28, 2 * F, H, requires_grad=True)
-    w2, w2_t = weights(28, H, F, requires_grad=True)
-    cot = torch.randn(M, H, device=dev, dtype=bf16)
-
-    def fwd_bwd():
-        gu = torch._grouped_mm(x, w13_t, offs=offs)
-        y = torch._grouped_mm(torch_situ(gu[:, :F], gu[:, F:]), w2_t, offs=offs)
-        return torch.autograd.grad(y, (x, w13, w2), cot)  # returned, not accumulated into .grad
-
+    # expert MLP fwd + autograd bwd (gate and up as one grouped GEMM with N = 2F, SiTU in torch ops)
     gflop = 3 * 2 * M * (H * 2 * F + F * H) / 1e9
-    try:
-        fwd_bwd()
-        ms = do_bench_ms(fwd_bwd)
-        res["mlp_fwd_bwd_E28"] = {"grouped_mm_autograd": {"ms_med_p20_p80": ms, "TFLOPs": gflop / ms[0]}}
-    except Exception as err:
-        res["mlp_fwd_bwd_E28"] = {"error": repr(err)[:500]}
-    print("mlp_fwd_bwd_E28", res["mlp_fwd_bwd_E28"], flush=True)
+    for label, num_experts in (("mlp_fwd_bwd_E28", 28), ("mlp_fwd_bwd_E112", 112)):
+        offs = torch.cumsum(torch.tensor(uniform_sizes(num_experts)), 0).to(torch.int32).to(dev)
+        x = torch.randn(M, H, device=dev, dtype=bf16, requires_grad=True)
+        w13, w13_t = weights(num_experts, 2 * F, H, requires_grad=True)
+        w2, w2_t = weights(num_experts, H, F, requires_grad=True)
+        cot = torch.randn(M, H, device=dev, dtype=bf16)
+
+        def fwd_bwd():
+            gu = torch._grouped_mm(x, w13_t, offs=offs)
+            y = torch._grouped_mm(torch_situ(gu[:, :F], gu[:, F:]), w2_t, offs=offs)
+            return torch.autograd.grad(y, (x, w13, w2), cot)  # returned, not accumulated into .grad
+
+        try:
+            fwd_bwd()
+            ms = do_bench_ms(fwd_bwd)
+            res[label] = {"grouped_mm_autograd": {"ms_med_p20_p80": ms, "TFLOPs": gflop / ms[0]}}
+        except Exception as err:
+            res[label] = {"error": repr(err)[:500]}
+        print(label, res[label], flush=True)
     with open(os.path.join(OUT, "moe_mxfp4_torch.json"), "w") as f:
         json.dump(res, f, indent=1)
 
@@ -444,7 +449,7 @@ def part_report() -> None:
     print(f"device: {jr.get('env')} / {tr.get('env')}")
     print("edge cases:", jr.get("edge_rel_err"))
     for label in ("routed_decode_E28", "gate_up_E28_decode", "down_E28_decode", "gate_up_E28", "down_E28",
-                  "gate_up_E112", "down_E112", "mlp_fwd_bwd_E28"):
+                  "gate_up_E112", "down_E112", "mlp_fwd_bwd_E28", "mlp_fwd_bwd_E112"):
         j, t = jr.get(label, {}), tr.get(label, {})
         print(f"\n{label}  (torch: {json.dumps(t)})")
         for name, v in j.items():
