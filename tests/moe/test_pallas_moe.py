@@ -20,6 +20,7 @@ from pallas_kernels.moe import experts_all_dense, experts_ragged_dot, routed_exp
 from pallas_kernels.moe import pallas_grouped_gemm as pg
 from pallas_kernels.moe.pallas_experts import experts_pallas
 from pallas_kernels.moe.reference import _RAGGED_DIMS, situ
+from tests.h200_lowering import lowered_for_h200
 
 F32 = jnp.float32
 M, K, N, E = 200, 64, 64, 5
@@ -173,7 +174,7 @@ def test_routed_experts_pallas_bf16_close_to_xla_path() -> None:
 
 
 @pytest.mark.parametrize("which", ["gate_up", "gate_up_exact", "gate_up_small_groups", "down"])
-def test_lowers_to_triton_for_cuda(which: str, h200_triton: None) -> None:
+def test_lowers_to_triton_for_cuda(which: str) -> None:
     """Pallas -> Triton IR for the K3 shapes and default tiles, as the H200 would compile (no GPU needed)."""
     m, h, f = 16384, 3584, 3072
     experts = 112 if which == "gate_up_small_groups" else 28
@@ -186,5 +187,5 @@ def test_lowers_to_triton_for_cuda(which: str, h200_triton: None) -> None:
         fn = functools.partial(pg.grouped_gate_up_situ, approx_situ=which != "gate_up_exact")
         w = sds((experts, f, h), jnp.bfloat16)
         args = (sds((m, h), jnp.bfloat16), w, w, gs)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h200(fn, *args)
     assert "__gpu$xla.gpu.triton" in text

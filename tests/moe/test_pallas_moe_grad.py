@@ -24,6 +24,7 @@ from pallas_kernels.moe import pallas_grouped_gemm as pg
 from pallas_kernels.moe.pallas_experts import experts_pallas
 from pallas_kernels.moe.pallas_vjp import _ragged_rows_outer, situ_and_grads
 from pallas_kernels.moe.reference import situ
+from tests.h200_lowering import lowered_for_h200
 
 F32 = jnp.float32
 CFG = pg.TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
@@ -136,17 +137,17 @@ def test_grouped_matmul_tn_matches_ragged_contracting_dot(name: str) -> None:
     np.testing.assert_array_equal(np.asarray(out)[np.asarray(gs) == 0], 0.0)
 
 
-def test_grouped_matmul_tn_lowers_to_triton_for_cuda(h200_triton: None) -> None:
+def test_grouped_matmul_tn_lowers_to_triton_for_cuda() -> None:
     """dW1/dW3 at K3 shapes (2F = 6144, in = 3584, 28 experts) as the H200 would compile it (no GPU needed)."""
     sds = jax.ShapeDtypeStruct
     args = (sds((16384, 6144), jnp.bfloat16), sds((16384, 3584), jnp.bfloat16), sds((28,), jnp.int32))
     fn = functools.partial(pg.grouped_matmul_tn, out_dtype=F32)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h200(fn, *args)
     assert "__gpu$xla.gpu.triton" in text
 
 
 @pytest.mark.parametrize("experts", [28, 112])
-def test_expert_mlp_backward_lowers_to_triton_for_cuda(experts: int, h200_triton: None) -> None:
+def test_expert_mlp_backward_lowers_to_triton_for_cuda(experts: int) -> None:
     """The whole expert-MLP gradient at K3 widths, 16384 rows, default tiles (28 experts: 128-row tiles; 112:
     the small-group tiles, weights as the MMA's left operand with [E, K, N] tiles), as the H200 would compile
     it: every GEMM a Triton kernel, and no transposed or concatenated copy of a weight in the program."""
@@ -161,8 +162,7 @@ def test_expert_mlp_backward_lowers_to_triton_for_cuda(experts: int, h200_triton
         out = grouped_expert_mlp(rows, gs, w1, w2, w3, beta=BETA, linear_beta=LINEAR_BETA, interpret=False)
         return jnp.sum(out.astype(F32))
 
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-    text = grad.trace(*args, sds((experts,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h200(jax.grad(loss, argnums=(0, 1, 2, 3)), *args, sds((experts,), jnp.int32))
     # the loss needs no forward output, so only the backward's kernels remain; calls with equal shapes and
     # tiles share one lowered function: gate = up recompute, dh, dx (x2), dW2, dW1 = dW3
     assert text.count("__gpu$xla.gpu.triton") == 5

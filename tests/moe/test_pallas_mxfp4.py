@@ -23,6 +23,7 @@ from pallas_kernels.moe import pallas_grouped_gemm as pg
 from pallas_kernels.moe.mxfp4_tile import decode_tile
 from pallas_kernels.moe.pallas_experts import experts_pallas
 from pallas_kernels.moe.reference import _RAGGED_DIMS, situ
+from tests.h200_lowering import lowered_for_h200
 
 F32 = jnp.float32
 M, E = 200, 5
@@ -198,8 +199,7 @@ def test_packed_grads_flow_to_x_only() -> None:
 
 @pytest.mark.parametrize("weights_lhs", [False, True])
 @pytest.mark.parametrize("which", ["gate_up", "down"])
-def test_packed_kernels_lower_to_triton_for_cuda(which: str, weights_lhs: bool,
-                                                 h200_triton: None) -> None:
+def test_packed_kernels_lower_to_triton_for_cuda(which: str, weights_lhs: bool) -> None:
     """Pallas -> Triton IR at the K3 shapes (28 experts) with packed weights, as the H200 would compile it."""
     m, h, f, experts = 16384, 3584, 3072, 28
     sds = jax.ShapeDtypeStruct
@@ -212,20 +212,20 @@ def test_packed_kernels_lower_to_triton_for_cuda(which: str, weights_lhs: bool,
     else:
         fn = functools.partial(pg.grouped_gate_up_situ, cfg=cfg)
         args = (sds((m, h), jnp.bfloat16), packed(f, h), packed(f, h), gs)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h200(fn, *args)
     assert "__gpu$xla.gpu.triton" in text
     # The Triton IR was also compiled to sm_90 SASS with Triton 3.6 off-GPU while tuning (wgmma, no spills
     # beyond a few bytes); that needs the triton package, which this environment does not install.
 
 
-def test_routed_path_with_default_configs_lowers_for_cuda(h200_triton: None) -> None:
+def test_routed_path_with_default_configs_lowers_for_cuda() -> None:
     """experts_pallas on packed K3 experts (E=28, 2048 tokens x top-8) with its default tiles, compiled path."""
     sds = jax.ShapeDtypeStruct
     packed = lambda n, k: MXFP4Experts(sds((28, n, k // 2), jnp.uint8), sds((28, n, k // 32), jnp.uint8))  # noqa: E731
     args = (sds((2048, 3584), jnp.bfloat16), packed(3072, 3584), packed(3584, 3072), packed(3072, 3584),
             sds((2048, 8), F32), sds((2048, 8), jnp.int32))
     fn = functools.partial(experts_pallas, beta=4.0, linear_beta=25.0, interpret=False)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h200(fn, *args)
     assert text.count("__gpu$xla.gpu.triton") == 2  # gate+up and down
     assert "28x3072x3584xbf16" not in text and "28x3584x3072xbf16" not in text  # no decoded weight copy
 

@@ -23,6 +23,7 @@ from k3jax.checkpoint.mxfp4 import encode_mxfp4
 from pallas_kernels.moe import MXFP4Experts
 from pallas_kernels.moe import pallas_grouped_gemm as pg
 from pallas_kernels.moe.reference import _RAGGED_DIMS, situ
+from tests.h200_lowering import lowered_for_h200
 
 F32 = jnp.float32
 M, K, N, E = 200, 64, 64, 5
@@ -132,7 +133,7 @@ def test_merged_tail_pads_tiny_inputs() -> None:
     assert out.shape == (72, N) and rel(out, ragged_f32(x, w1, gs)) <= 1e-5
 
 
-def test_tail_tiles_lower_to_triton_for_cuda(h200_triton: None) -> None:
+def test_tail_tiles_lower_to_triton_for_cuda() -> None:
     """K3 at EP=8 (112 experts) with 128 + 32-row tiles, as the H200 would compile it (no GPU needed)."""
     sds = jax.ShapeDtypeStruct
     w = sds((112, 3072, 3584), jnp.bfloat16)
@@ -140,7 +141,7 @@ def test_tail_tiles_lower_to_triton_for_cuda(h200_triton: None) -> None:
     for merge_tail in (False, True):
         cfg = pg.TileConfig(128, 128, 64, 8, 4, weights_lhs=True, tail_m=32, merge_tail=merge_tail)
         fn = lambda *a: pg.grouped_gate_up_situ(*a, cfg=cfg)  # noqa: E731
-        assert "__gpu$xla.gpu.triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in lowered_for_h200(fn, *args)
 
 
 def test_default_configs_by_group_size_and_weight_format() -> None:
