@@ -184,24 +184,28 @@ def down_config(num_rows: int, num_groups: int, mxfp4: bool = False, backward: b
     return for_weights(DOWN_SMALL_GROUPS if small else DOWN_DEFAULT, mxfp4)
 
 
+def _height(count: jax.Array, block_m: int, tail: int) -> jax.Array:
+    """MMA rows a program with `count` rows runs (the kernel's `run` picks the same): tail, block_m, or
+    block_m + tail (merged)."""
+    return jnp.where(count <= tail, tail, jnp.where(count <= block_m, block_m, block_m + tail))
+
+
 def _row_tiling(sizes: jax.Array, block_m: int, tail: int) -> tuple[jax.Array, jax.Array]:
     """(tiles, stride) per group for merged tails: the cheaper in MMA rows of two cuts, a tie going to (a).
 
     (a) block_m-row tiles, a remainder of at most `tail` rows joining the last of them;
     (b) tiles of block_m + tail rows (two MMAs each).
-    A tile's cost is the height its program runs (`_heights`). At 146 rows, block_m 128, tail 32 both give one
+    A tile's cost is the height its program runs (`_height`). At 146 rows, block_m 128, tail 32 both give one
     160-row tile; at 585 rows (b) gives 3 x 160 + 128 against 5 x 128; at 256 rows (a) gives 2 x 128.
     """
-    def cost(rows_left: jax.Array) -> jax.Array:  # the last tile's height
-        return jnp.where(rows_left <= tail, tail, jnp.where(rows_left <= block_m, block_m, block_m + tail))
-
     full = (sizes + block_m - 1) // block_m
-    merge = (full >= 2) & (sizes - (full - 1) * block_m <= tail)
+    last = sizes - (full - 1) * block_m  # rows of the last block_m tile
+    merge = (full >= 2) & (last <= tail)
     tiles_a = full - merge
-    cost_a = jnp.where(merge, (full - 1) * block_m + tail, (full - 1) * block_m + cost(sizes - (full - 1) * block_m))
+    cost_a = jnp.where(merge, (full - 1) * block_m + tail, (full - 1) * block_m + _height(last, block_m, tail))
     stride_b = block_m + tail
     tiles_b = (sizes + stride_b - 1) // stride_b
-    cost_b = (tiles_b - 1) * stride_b + cost(sizes - (tiles_b - 1) * stride_b)
+    cost_b = (tiles_b - 1) * stride_b + _height(sizes - (tiles_b - 1) * stride_b, block_m, tail)
     use_b = cost_b < cost_a
     return jnp.where(use_b, tiles_b, tiles_a), jnp.where(use_b, stride_b, block_m)
 
@@ -247,10 +251,6 @@ def _merge_rows(cfg: TileConfig) -> int:
     return cfg.tail_m if cfg.merge_tail else 0
 
 
-def _heights(count: jax.Array, cfg: TileConfig) -> jax.Array:
-    """MMA rows a program with `count` rows runs: tail_m, block_m, or block_m + tail_m (merged)."""
-    tail = cfg.tail_m or 0
-    return jnp.where(count <= tail, tail, jnp.where(count <= cfg.block_m, cfg.block_m, cfg.block_m + tail))
 
 
 def mma_rows(group_sizes: jax.Array, num_rows: int, cfg: TileConfig) -> jax.Array:
@@ -258,7 +258,8 @@ def mma_rows(group_sizes: jax.Array, num_rows: int, cfg: TileConfig) -> jax.Arra
     excluded: the useful rows are sum(group_sizes), the rest is padding of partial tiles."""
     table = _schedule(group_sizes, max(num_rows, cfg.block_m), cfg.block_m, 1, _merge_rows(cfg))
     count = table[:, 1] - table[:, 0]
-    return jnp.sum(jnp.where((count > 0) & (table[:, 2] < group_sizes.shape[0]), _heights(count, cfg), 0))
+    height = _height(count, cfg.block_m, cfg.tail_m or 0)
+    return jnp.sum(jnp.where((count > 0) & (table[:, 2] < group_sizes.shape[0]), height, 0))
 
 
 def _situ_f32(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None, approx: bool) -> jax.Array:
