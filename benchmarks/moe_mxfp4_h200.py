@@ -179,10 +179,11 @@ def part_jax(budget_s: float) -> None:
             dense_args, packed_args = (x, d1, gs), (x, q1, gs)
         bf16_check = lambda out: (lambda e: (e, e <= 1e-2))(rel(out, ref32))  # noqa: E731
         same_bf16 = call(bf16_cfgs[0])(*dense_args)
+        for cfg in bf16_cfgs:
+            rec["mma_rows_" + cfg.label()] = int(pg.mma_rows(gs, m, cfg))  # useful rows: m
         for rep in range(REPEAT):
             tag = f"_rep{rep}" if REPEAT > 1 else ""
             for cfg in bf16_cfgs:
-                rec["mma_rows_" + cfg.label()] = int(pg.mma_rows(gs, m, cfg))  # useful rows: m
                 run_case(rec, "bf16_" + cfg.label() + tag, call(cfg), dense_args, bf16_check)
             mxfp4_configs(rec, mxfp4_cfgs, call, packed_args, same_ops, same_bf16, ref32, tag)
         if num_experts != 28 or m != M or rec["label"].endswith("_tiles"):
