@@ -19,6 +19,7 @@ ours, fla and the fp32 reference on identical data. Results go to $OUT/*.json.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -45,6 +46,9 @@ CONFIGS = [(128, 8, 2, 1, 0), (16, 4, 2, 1, 1), (16, 4, 1, 1, 1), (16, 2, 2, 1, 
 if os.environ.get("KDA_CONFIGS"):
     CONFIGS = [(tuple(int(x) for x in item.split(",")) + (0,))[:5]
                for item in os.environ["KDA_CONFIGS"].split(";")]
+# the intra stage's pair kernels timed in each config (`pallas_kda.PAIR_KERNELS`);
+# KDA_PAIRS="triton" for one
+PAIRS = os.environ.get("KDA_PAIRS", "triton,mosaic_gpu").split(",")
 # fla's autotune results: a folder or .tar.gz (torch_peer.keep_autotuning), by default the
 # repository's (torch_peer.TUNED_ARCHIVE; FLA_AUTOTUNE= for none); those in use come back as
 # $OUT/fla_autotune.tar.gz.
@@ -166,6 +170,12 @@ def run_jax():
         o.block_until_ready()
         num = {"first_call_s": round(time.time() - t, 1),
                "ours_bf16_vs_ref_o": rel(o, ref_o), "ours_bf16_vs_ref_ht": rel(h, ref_h)}
+        for pairs in PAIRS:
+            op, hp = pallas_chunk_kda_fused_gate(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"],
+                                                 j["A_log"], j["dt_bias"], lower_bound=LB,
+                                                 initial_state=j["h0"], pairs=pairs)
+            num[f"ours_bf16_{pairs}_pairs_vs_ref_o"] = rel(op, ref_o)
+            num[f"ours_bf16_{pairs}_pairs_vs_ref_ht"] = rel(hp, ref_h)
         o32, h32 = pallas_chunk_kda(qa, ka, bf["v"].astype(jnp.float32), ga, ba,
                                     initial_state=j["h0"])
         num["ours_fp32_vs_ref_o"] = rel(o32, ref_o)
@@ -189,15 +199,18 @@ def run_jax():
         args = timing_inputs(B, T, H)
         name = f"B{B}_T{T}_H{H}"
         r = {}
-        for bv, nw, ns, iw, two_pass in CONFIGS:
-            tag = f"ours_fused_bv{bv}_w{nw}_s{ns}_inv{iw}" + ("_two_pass" if two_pass else "")
+        for (bv, nw, ns, iw, two_pass), pairs in itertools.product(CONFIGS, PAIRS):
+            tag = (f"ours_fused_bv{bv}_w{nw}_s{ns}_inv{iw}" + ("_two_pass" if two_pass else "")
+                   + f"_{pairs}_pairs")
             inter = "two_pass" if two_pass else "fused"
             try:
-                f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, iw=iw, inter=inter:
+                f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, iw=iw, inter=inter,
+                            pairs=pairs:
                             pallas_chunk_kda_fused_gate(q, k, v, g, b, a, d, lower_bound=LB,
                                                         block_v=bv, num_warps=nw, num_stages=ns,
                                                         intra_warps=INTRA_WARPS,
-                                                        inverse_warps=iw, inter=inter))
+                                                        inverse_warps=iw, inter=inter,
+                                                        pairs=pairs))
                 ms = bench(f, args)
                 r[f"{tag}_ms"] = round(ms, 4)
             except Exception as e:
@@ -242,6 +255,7 @@ def run_stages():
 
     from benchmarks.timing import median_ms
     from pallas_kernels.kda.intra_blocks import compiler_params
+    from pallas_kernels.kda.mosaic_gpu_pairs import intra_pairs_mgpu
     from pallas_kernels.kda.pallas_intra import chunk_inverses, intra_pairs, intra_wu
     from pallas_kernels.kda.pallas_kda import gate_params, pallas_chunk_kda_fused_gate
 
@@ -255,7 +269,14 @@ def run_stages():
                 a, scale=D**-0.5, fused=True, lower_bound=LB, interpret=False,
                 params=compiler_params(False, w, 1)))
             r[f"pairs_w{warps}_ms"] = round(median_ms(pairs, *ins, reps=5, inner=10), 4)
-        L, bk, qg, kd, aqk, gl = pairs(*ins)
+        L, bk, qg, kd, aqk, gl = outs = pairs(*ins)
+        mgpu = jax.jit(lambda *a: intra_pairs_mgpu(a, scale=D**-0.5, fused=True, lower_bound=LB,
+                                                   interpret=False))
+        r["pairs_mosaic_gpu_ms"] = round(median_ms(mgpu, *ins, reps=5, inner=10), 4)
+        for name, a, b in zip(("L", "bk", "qg", "kd", "aqk", "gl"), mgpu(*ins), outs):
+            a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+            r[f"pairs_mosaic_gpu_vs_triton_{name}"] = float(
+                jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
         for warps, products in ((2, jnp.float32), (1, None), (2, None), (4, None)):
             inv = jax.jit(lambda L, w=warps, p=products: chunk_inverses(
                 L, jnp.bfloat16, interpret=False, params=compiler_params(False, w, 1),

@@ -37,6 +37,7 @@ from pallas_kernels.kda.intra_blocks import (
     activations, approx_math, beta_activation, gate_exp, matmul_dtypes, store_row,
     unit_lower_inverse,
 )
+from pallas_kernels.kda.mosaic_gpu_pairs import intra_pairs_mgpu
 
 _F32 = jnp.float32
 
@@ -184,13 +185,20 @@ def intra_wu(x, bk, v, beta, *, fused, interpret, params):
     )(x, bk, v, beta)
 
 
-def intra_stage(ins, *, scale, fused, lower_bound, interpret, params, inverse_params):
+def intra_stage(ins, *, scale, fused, lower_bound, interpret, params, inverse_params,
+                pairs="triton"):
     """``(X, W, U, Qg, Kd, Aqk, gl)`` of every chunk, ``X = (I + L)^{-1}`` (the backward reuses
     it). ``ins``: q, k, v, g, beta [, gate_scale, dt_bias when ``fused``]; ``inverse_params``:
-    launch parameters of the inverse kernel (it wants fewer warps than the others)."""
+    launch parameters of the inverse kernel (it wants fewer warps than the others); ``pairs``:
+    the pair kernel, this file's (``"triton"``) or ``mosaic_gpu_pairs``'s (``"mosaic_gpu"``)."""
     v, beta = ins[2], ins[4]
-    L, bk, qg, kd, aqk, gl = intra_pairs(ins, scale=scale, fused=fused, lower_bound=lower_bound,
-                                         interpret=interpret, params=params)
+    if pairs == "mosaic_gpu":
+        L, bk, qg, kd, aqk, gl = intra_pairs_mgpu(ins, scale=scale, fused=fused,
+                                                  lower_bound=lower_bound, interpret=interpret)
+    else:
+        L, bk, qg, kd, aqk, gl = intra_pairs(ins, scale=scale, fused=fused,
+                                             lower_bound=lower_bound, interpret=interpret,
+                                             params=params)
     x = chunk_inverses(L, qg.dtype, interpret=interpret, params=inverse_params)
     w, u = intra_wu(x, bk, v, beta, fused=fused, interpret=interpret, params=params)
     return x, w, u, qg, kd, aqk, gl

@@ -148,13 +148,13 @@ def _is_pow2(n: int) -> bool:
     jax.jit,
     static_argnames=(
         "scale", "interpret", "fused", "lower_bound", "block_v", "num_warps", "num_stages",
-        "intra_warps", "inverse_warps", "inter", "keep_intra",
+        "intra_warps", "inverse_warps", "inter", "keep_intra", "pairs",
     ),
 )
 def _pallas_chunk_kda(
     q, k, v, g, beta, initial_state, gate_scale, dt_bias, chunk_offsets=None, *, scale,
     interpret, fused, lower_bound, block_v, num_warps, num_stages, intra_warps, inverse_warps,
-    inter, keep_intra,
+    inter, keep_intra, pairs,
 ):
     """``chunk_offsets`` (int32 [N + 1], traced) marks a chunk-aligned packed batch (B == 1).
     Returns ``(o, final state)``, with ``keep_intra`` also ``(X, Aqk)`` (see ``pallas_chunk_kda``)."""
@@ -169,7 +169,7 @@ def _pallas_chunk_kda(
     x, w, u, qg, kd, aqk, gl = intra_stage(
         ins, scale=scale, fused=fused, lower_bound=lower_bound, interpret=interpret,
         params=compiler_params(interpret, intra_warps, num_stages),
-        inverse_params=compiler_params(interpret, inverse_warps, num_stages),
+        inverse_params=compiler_params(interpret, inverse_warps, num_stages), pairs=pairs,
     )
 
     kept = ((x, aqk),) if keep_intra else ()
@@ -241,6 +241,7 @@ def pallas_chunk_kda(
     inverse_warps: int = INVERSE_WARPS,
     inter: str | None = None,
     return_intra: bool = False,
+    pairs: str | None = None,
 ) -> tuple[jax.Array, ...]:
     """Chunked KDA forward (safe gate, pre-activated inputs; fla conventions).
 
@@ -258,11 +259,13 @@ def pallas_chunk_kda(
     (``X = (I + L)^{-1}``, in the kernel's padded or chunk-aligned token layout and the
     intermediates' dtype) for ``pallas_chunk_kda_bwd(..., intra=...)``, which then skips the
     intra stage's pair products and inverse: the residuals fla's backward keeps too.
+    ``pairs``: the intra stage's pair kernel, ``"triton"`` or ``"mosaic_gpu"``
+    (``mosaic_gpu_pairs.py``: bf16, K a multiple of 64); default ``default_pairs``.
     """
     return _call(q, k, v, g, beta, None, None, scale, initial_state, interpret, False, 0.0,
                  cu_seqlens, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
                  intra_warps=intra_warps, inverse_warps=inverse_warps, inter=inter,
-                 keep_intra=return_intra)
+                 keep_intra=return_intra, pairs=pairs)
 
 
 def pallas_chunk_kda_fused_gate(
@@ -285,6 +288,7 @@ def pallas_chunk_kda_fused_gate(
     intra_warps: int = INTRA_WARPS,
     inverse_warps: int = INVERSE_WARPS,
     inter: str | None = None,
+    pairs: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """As ``pallas_chunk_kda`` with K3's input activations fused into the intra stage.
 
@@ -302,7 +306,7 @@ def pallas_chunk_kda_fused_gate(
     return _call(q, k, v, g_raw, beta_logits, gate_scale, dt, scale, initial_state, interpret,
                  True, float(lower_bound), cu_seqlens, block_v=block_v, num_warps=num_warps,
                  num_stages=num_stages, intra_warps=intra_warps, inverse_warps=inverse_warps,
-                 inter=inter, keep_intra=False)
+                 inter=inter, keep_intra=False, pairs=pairs)
 
 
 def gate_params(A_log: jax.Array, dt_bias: jax.Array, H: int, K: int) -> tuple[jax.Array, jax.Array]:
@@ -313,11 +317,23 @@ def gate_params(A_log: jax.Array, dt_bias: jax.Array, H: int, K: int) -> tuple[j
 
 
 INTER_STAGES = ("fused", "two_pass")
+PAIR_KERNELS = ("triton", "mosaic_gpu")
+
+
+def mosaic_gpu_pairs_fit(q_dtype, v_dtype, K: int) -> bool:
+    """Whether ``mosaic_gpu_pairs`` takes these inputs: bf16 (its products and stores are bf16)
+    and whole 64-channel swizzle tiles."""
+    return q_dtype == jnp.bfloat16 and v_dtype == jnp.bfloat16 and K % 64 == 0
+
+
+def default_pairs(q_dtype, v_dtype, K: int) -> str:
+    """The intra stage's pair kernel when the call names none."""
+    return "triton"
 
 
 def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret, fused,
           lower_bound, cu_seqlens, *, block_v, num_warps, num_stages, intra_warps,
-          inverse_warps, inter, keep_intra):
+          inverse_warps, inter, keep_intra, pairs):
     B, T, H, K = q.shape
     V = v.shape[-1]
     if interpret is None:
@@ -337,6 +353,12 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
     if inter not in INTER_STAGES:
         raise ValueError(f"inter: expected one of {INTER_STAGES}, got {inter!r}")
+    pairs = default_pairs(q.dtype, v.dtype, K) if pairs is None else pairs
+    if pairs not in PAIR_KERNELS:
+        raise ValueError(f"pairs: expected one of {PAIR_KERNELS}, got {pairs!r}")
+    if pairs == "mosaic_gpu" and not mosaic_gpu_pairs_fit(q.dtype, v.dtype, K):
+        raise ValueError(f"pairs='mosaic_gpu' needs bf16 q and v and K a multiple of 64, got "
+                         f"q {q.dtype}, v {v.dtype}, K={K}")
     scale = K**-0.5 if scale is None else float(scale)
     # Padding steps are identities: k = v = 0, beta = 0 and g = 0; with the fused activations the
     # gate and beta pre-activations are padded with -inf (sigmoid(-inf) = 0). Padding happens
@@ -346,7 +368,7 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         scale=scale, interpret=bool(interpret), fused=fused, lower_bound=lower_bound,
         block_v=block_v if V % block_v == 0 else V, num_warps=num_warps, num_stages=num_stages,
         intra_warps=intra_warps,
-        inverse_warps=inverse_warps, inter=inter, keep_intra=keep_intra,
+        inverse_warps=inverse_warps, inter=inter, keep_intra=keep_intra, pairs=pairs,
     )
     if cu_seqlens is not None:
         return _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens,

@@ -1,0 +1,235 @@
+"""The KDA intra stage's pair kernel in Mosaic GPU (Hopper: TMA copies, wgmma products).
+
+Same outputs as ``pallas_intra.intra_pairs`` (``L`` fp32, ``bk``, ``Qg``, ``Kd``, ``Aqk``, ``gl``),
+from bf16 inputs, for one chunk of one head per warpgroup (grid ``(N, H, B)``). Why a second
+backend for this one kernel: in the Pallas-Triton form it costs half the forward (4.85 of 9.42 ms
+at B4 T8192 H96, benchmarks/RESULTS.md) because Triton cannot slice register tiles, so each
+16-column block of ``L`` and ``Aqk`` is a masked ``[64, K] x [K, 64]`` product (4x the tensor-core
+work) at 255 registers. Here each block is its own ``[64, K] x [K, 16]`` wgmma into a column slice
+of one accumulator, and the operands go through shared memory explicitly.
+
+Work per chunk (``G`` in units of ln 2 and ``exp2``; kda.md 2.1 / 2.4, ``chunk_math``'s midpoint
+factorisation with the column block's midpoint ``m_j``):
+
+1. TMA the chunk's q, k, g (by 64-channel halves: one bf16 swizzle tile is 64 wide) and beta.
+2. The gate activation per half, split ``g = hi + lo`` into two bf16 terms, and the cumulative
+   gate as two tensor-core products with the lower-triangular ones matrix (``G = T hi + T lo``;
+   the split keeps 16 of fp32's 24 bits of each step, ~3e-4 relative in a 64-step decay, far
+   below bf16 outputs' 2^-9). ``G`` is kept in shared memory in fp32; its rows give ``m_j``.
+3. The column operand ``kc = k e^{m(c) - G}`` (each row against its own sub-chunk's midpoint),
+   then per column block ``j`` the row operands ``k e^{min(G - m_j, 40)}``, ``qs e^{...}`` and two
+   wgmmas into column block ``j`` of the ``L`` and ``Aqk`` accumulators.
+4. The gate terms ``Kd``, ``bk``, ``Qg``, ``gl`` and the masked ``L`` (times beta_r), ``Aqk``,
+   staged in the freed buffers and stored by TMA.
+
+q and k stay in shared memory as loaded; their L2 norm (fused activations) is a per-row factor
+applied at every reload, so every output sees the same fp32 normalised values.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kda.chunk_math import BC, C, CLAMP, MID, NC
+
+_F32, _BF16 = jnp.float32, jnp.bfloat16
+HALF = 64  # channels per bf16 128-byte swizzle tile
+LOG2E = 1.4426950408889634
+_WG = plgpu.Layout.WGMMA
+_ROWS, _COLS = _WG.reduce(1), _WG.reduce(0)  # [64] per row / per column of a WGMMA array
+
+
+def _iota(axis: int) -> jax.Array:
+    return plgpu.broadcasted_iota(jnp.int32, (C, HALF), axis, layout=_WG)
+
+
+def _rows(v: jax.Array) -> jax.Array:
+    return plgpu.layout_cast(lax.broadcast_in_dim(v, (C, HALF), [0]), _WG)
+
+
+def _cols(v: jax.Array) -> jax.Array:
+    return plgpu.layout_cast(lax.broadcast_in_dim(v, (C, HALF), [1]), _WG)
+
+
+def _tile(ref) -> jax.Array:
+    """A [C, HALF] tile from shared memory, in fp32 and the wgmma accumulator layout."""
+    return plgpu.load(ref, layout=_WG).astype(_F32)
+
+
+def _sigmoid(x: jax.Array) -> jax.Array:
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int):
+    if fused:
+        q_ref, k_ref, g_ref, bt_ref, gs_ref, db_ref, *refs = refs
+    else:
+        q_ref, k_ref, g_ref, bt_ref, *refs = refs
+        gs_ref = db_ref = None
+    (l_ref, bk_ref, qg_ref, kd_ref, a_ref, gl_ref,
+     tq, tk, tg, tx, gp, beta_s, gs_s, db_s, gl_s, bars) = refs
+    c, h, b = lax.axis_index("c"), lax.axis_index("h"), lax.axis_index("b")
+    ts = pl.ds(c * C, C)
+    halves = [pl.ds(hh * HALF, HALF) for hh in range(nk)]
+    unit = LOG2E
+
+    # 1. loads, one barrier per copy
+    copies = []
+    for hh, cs in enumerate(halves):
+        copies += [(q_ref.at[b, ts, h, cs], tq.at[hh]), (k_ref.at[b, ts, h, cs], tk.at[hh]),
+                   (g_ref.at[b, ts, h, cs], tg.at[hh])]
+        if fused:
+            copies += [(gs_ref.at[h, cs], gs_s.at[hh]), (db_ref.at[h, cs], db_s.at[hh])]
+    copies.append((bt_ref.at[b, h, ts], beta_s))
+    for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+    ri, ci = _iota(0), _iota(1)
+    for i in range(len(copies)):
+        plgpu.barrier_wait(bars.at[i])
+
+    # per-row factors: L2 norms (fused) and beta
+    if fused:
+        ssq = ssk = None
+        for hh in range(nk):
+            qh, kh = _tile(tq.at[hh]), _tile(tk.at[hh])
+            sq, sk = jnp.sum(qh * qh, axis=1), jnp.sum(kh * kh, axis=1)
+            ssq, ssk = (sq, sk) if ssq is None else (ssq + sq, ssk + sk)
+        rq = _rows(lax.rsqrt(ssq + 1e-6) * scale)
+        rk = _rows(lax.rsqrt(ssk + 1e-6))
+        beta = _rows(_sigmoid(plgpu.load(beta_s, layout=_ROWS)))
+    else:
+        rq, rk = scale, 1.0
+        beta = _rows(plgpu.load(beta_s, layout=_ROWS))
+
+    def row(r):
+        """Row ``r`` of the current half's G (stored in ``gp``) on every row."""
+        return _cols(plgpu.load(gp.at[r], layout=_COLS))
+
+    def products(acc_l, acc_a):
+        """Both pair matrices, summed over the channel halves (each half its own G)."""
+        for hh in range(nk):
+            # 2. gate activation and the cumulative gate G (units of ln 2) of this half
+            g = _tile(tg.at[hh])
+            if fused:
+                gs = _cols(plgpu.load(gs_s.at[hh], layout=_COLS))
+                db = _cols(plgpu.load(db_s.at[hh], layout=_COLS))
+                g = (lower_bound * unit) * _sigmoid(gs * (g + db))
+            else:
+                g = g * unit
+            hi = g.astype(_BF16)
+            tg[hh] = hi
+            tx[1] = (g - hi.astype(_F32)).astype(_BF16)
+            tx[0] = (ri >= ci).astype(_BF16)  # T: lower-triangular ones, the cumsum as a product
+            plgpu.commit_smem()
+
+            def cumsum(acc, hh=hh):
+                plgpu.wgmma(acc, tx.at[0], tg.at[hh])
+                plgpu.wgmma(acc, tx.at[0], tx.at[1])
+                return acc[...]
+
+            G = pl.run_scoped(cumsum, plgpu.ACC((C, HALF), _F32))
+            gp[...] = G
+            plgpu.commit_smem()
+
+            # 3. the column operand kc = k e^{m(c) - G} (each row against its sub-chunk's
+            # midpoint), then per column block j the row operands and two products
+            m_row = row(MID)
+            for j in range(1, NC):
+                m_row = jnp.where(ri >= j * BC, row(j * BC + MID), m_row)
+            k = _tile(tk.at[hh]) * rk
+            tg[hh] = (k * jnp.exp2(m_row - G)).astype(_BF16)
+            for j in range(NC):
+                cols = pl.ds(j * BC, BC)
+                rf = jnp.exp2(jnp.minimum(G - row(j * BC + MID), CLAMP * unit))
+                if j:
+                    plgpu.wgmma_wait(0)  # the previous block's products have read tx
+                tx[0] = (_tile(tk.at[hh]) * rk * rf).astype(_BF16)
+                tx[1] = (_tile(tq.at[hh]) * rq * rf).astype(_BF16)
+                plgpu.commit_smem()
+                kc = tg.at[hh, cols].transpose((1, 0))
+                plgpu.wgmma(acc_l.at[:, cols], tx.at[0], kc)
+                plgpu.wgmma(acc_a.at[:, cols], tx.at[1], kc)
+
+            # 4. this half's gate terms, staged in its own input buffers and stored by TMA
+            g_last = row(C - 1)
+            eg = jnp.exp2(G)
+            plgpu.wgmma_wait(0)  # the products have read kc
+            tg[hh] = (k * jnp.exp2(g_last - G)).astype(_BF16)  # Kd
+            tk[hh] = (beta * k * eg).astype(_BF16)  # bk
+            tq[hh] = (_tile(tq.at[hh]) * rq * eg).astype(_BF16)  # Qg
+            gl_s[hh] = jnp.exp2(plgpu.load(gp.at[C - 1], layout=_COLS))
+            plgpu.commit_smem()
+            cs = halves[hh]
+            plgpu.copy_smem_to_gmem(tg.at[hh], kd_ref.at[b, ts, h, cs])
+            plgpu.copy_smem_to_gmem(tk.at[hh], bk_ref.at[b, ts, h, cs])
+            plgpu.copy_smem_to_gmem(tq.at[hh], qg_ref.at[b, ts, h, cs])
+            plgpu.copy_smem_to_gmem(gl_s.at[hh], gl_ref.at[b, c, h, cs])
+        return acc_l[...], acc_a[...]
+
+    p_kk, p_qk = pl.run_scoped(products, plgpu.ACC((C, C), _F32), plgpu.ACC((C, C), _F32))
+
+    # 5. the masked pair matrices, staged in freed buffers and stored by TMA
+    ri_c = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=_WG)
+    ci_c = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_WG)
+    beta_c = lax.broadcast_in_dim(plgpu.load(beta_s, layout=_ROWS), (C, C), [0])
+    if fused:
+        beta_c = _sigmoid(beta_c)
+    plgpu.commit_smem()  # every row load of gp is done
+    gp[...] = jnp.where(ri_c > ci_c, beta_c * p_kk, 0.0)
+    tx[0] = jnp.where(ri_c >= ci_c, p_qk, 0.0).astype(_BF16)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(gp, l_ref.at[b, ts, h])
+    plgpu.copy_smem_to_gmem(tx.at[0], a_ref.at[b, ts, h])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def intra_pairs_mgpu(ins, *, scale: float, fused: bool, lower_bound: float, interpret: bool):
+    """``(L fp32, bk, Qg, Kd, Aqk, gl)`` of every chunk, as ``pallas_intra.intra_pairs``.
+    ``ins``: bf16 q, k, v, g, beta [, gate_scale, dt_bias when ``fused``], T a multiple of 64,
+    K a multiple of 64. ``interpret``: Mosaic GPU's CPU interpreter (tests)."""
+    q, k, _, g, beta = ins[:5]
+    B, Tp, H, K = q.shape
+    if q.dtype != _BF16 or Tp % C or K % HALF:
+        raise ValueError(f"mosaic_gpu_pairs: wants bf16 q [B, T, H, K] with T % {C} == 0 and "
+                         f"K % {HALF} == 0, got {q.dtype} {q.shape}")
+    nk = K // HALF
+    n = Tp // C
+    extra = [x.astype(_F32) for x in ins[5:]] if fused else []
+    beta_t = jnp.swapaxes(beta, 1, 2).astype(_F32)  # [B, H, T]: one TMA row per chunk
+    tiles = (plgpu.TilingTransform((8, HALF)), plgpu.SwizzleTransform(128))
+    buf = lambda: plgpu.SMEM((max(nk, 2), C, HALF), _BF16, transforms=tiles)  # noqa: E731
+    n_copies = nk * (5 if fused else 3) + 1
+    sds = jax.ShapeDtypeStruct
+    kernel = plgpu.kernel(
+        functools.partial(_pairs_body, scale=scale, fused=fused, lower_bound=lower_bound, nk=nk),
+        out_type=(
+            sds((B, Tp, H, C), _F32),  # L, strictly lower
+            sds((B, Tp, H, K), _BF16),  # beta k e^G
+            sds((B, Tp, H, K), _BF16),  # Qg
+            sds((B, Tp, H, K), _BF16),  # Kd
+            sds((B, Tp, H, C), _BF16),  # Aqk
+            sds((B, n, H, K), _F32),  # e^{G_last}
+        ),
+        grid=(n, H, B),
+        grid_names=("c", "h", "b"),
+        scratch_types=(
+            buf(), buf(), buf(), buf(),
+            plgpu.SMEM((C, C), _F32),  # one half's G (for its rows), then L
+            plgpu.SMEM((C,), _F32),  # beta
+            plgpu.SMEM((nk, HALF), _F32),  # gate scale
+            plgpu.SMEM((nk, HALF), _F32),  # dt bias
+            plgpu.SMEM((nk, HALF), _F32),  # gl
+            plgpu.Barrier(num_barriers=n_copies),
+        ),
+        # the body places its own barriers (commit_smem) between shared-memory writes and reads
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+        kernel_name="kda_intra_pairs_mgpu",
+    )
+    return kernel(q, k, g, beta_t, *extra)
