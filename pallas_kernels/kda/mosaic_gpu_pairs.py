@@ -73,7 +73,7 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int):
         q_ref, k_ref, g_ref, bt_ref, *refs = refs
         gs_ref = db_ref = None
     (l_ref, bk_ref, qg_ref, kd_ref, a_ref, gl_ref,
-     tq, tk, tg, tx, gp, beta_s, gs_s, db_s, gl_s, bars) = refs
+     tq, tk, tg, tx, ty, gp, beta_s, gs_s, db_s, gl_s, bars) = refs
     c, h, b = lax.axis_index("c"), lax.axis_index("h"), lax.axis_index("b")
     ts = pl.ds(c * C, C)
     halves = [pl.ds(hh * HALF, HALF) for hh in range(nk)]
@@ -147,14 +147,15 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int):
             for j in range(NC):
                 cols = pl.ds(j * BC, BC)
                 rf = jnp.exp2(jnp.minimum(G - row(j * BC + MID), CLAMP * unit))
-                if j:
-                    plgpu.wgmma_wait(0)  # the previous block's products have read tx
-                tx[0] = (_tile(tk.at[hh]) * rk * rf).astype(_BF16)
-                tx[1] = (_tile(tq.at[hh]) * rq * rf).astype(_BF16)
+                ops = tx if j % 2 == 0 else ty  # double-buffered: block j's operands are
+                if j >= 2:  # written while block j - 1's products run
+                    plgpu.wgmma_wait(2)
+                ops[0] = (k * rf).astype(_BF16)
+                ops[1] = (_tile(tq.at[hh]) * rq * rf).astype(_BF16)
                 plgpu.commit_smem()
                 kc = tg.at[hh, cols].transpose((1, 0))
-                plgpu.wgmma(acc_l.at[:, cols], tx.at[0], kc)
-                plgpu.wgmma(acc_a.at[:, cols], tx.at[1], kc)
+                plgpu.wgmma(acc_l.at[:, cols], ops.at[0], kc)
+                plgpu.wgmma(acc_a.at[:, cols], ops.at[1], kc)
 
             # 4. this half's gate terms, staged in its own input buffers and stored by TMA
             g_last = row(C - 1)
@@ -219,7 +220,7 @@ def intra_pairs_mgpu(ins, *, scale: float, fused: bool, lower_bound: float, inte
         grid=(n, H, B),
         grid_names=("c", "h", "b"),
         scratch_types=(
-            buf(), buf(), buf(), buf(),
+            buf(), buf(), buf(), buf(), buf(),
             plgpu.SMEM((C, C), _F32),  # one half's G (for its rows), then L
             plgpu.SMEM((C,), _F32),  # beta
             plgpu.SMEM((nk, HALF), _F32),  # gate scale
