@@ -124,6 +124,33 @@ def _wu_kernel(x_ref, bk_ref, v_ref, b_ref, w_ref, u_ref, *, mm_dtype, fused):
     u_ref[b, ts, h, :] = dot(X, bv, mm_dtype).astype(u_ref.dtype)
 
 
+PAIR_KERNELS = ("triton", "mosaic_gpu")
+
+
+def mosaic_gpu_pairs_fit(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array) -> bool:
+    """Whether ``mosaic_gpu_pairs`` takes these inputs: bf16 q, k, v and gate (its operand tiles
+    and stores are bf16; an fp32 gate rounded to bf16 would move a chunk's decays by up to
+    ``|G| 2^-9``) and whole 64-channel swizzle tiles."""
+    return all(x.dtype == jnp.bfloat16 for x in (q, k, v, g)) and q.shape[-1] % 64 == 0
+
+
+def default_pairs(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array) -> str:
+    """The pair kernel when a call names none: the Mosaic GPU one wherever it fits (3.55 vs
+    4.84 ms at B4 T8192 H96, 0.71 vs 0.89 at B1 T32768 H16 on an H200, benchmarks/RESULTS.md),
+    else this file's."""
+    return "mosaic_gpu" if mosaic_gpu_pairs_fit(q, k, v, g) else "triton"
+
+
+def pair_matrices(ins, *, scale, fused, lower_bound, interpret, params, pairs):
+    """``(L fp32, bk, Qg, Kd, Aqk, gl)`` of every chunk from the named pair kernel
+    (``PAIR_KERNELS``; ``params``: the Triton one's launch parameters)."""
+    if pairs == "mosaic_gpu":
+        return intra_pairs_mgpu(ins, scale=scale, fused=fused, lower_bound=lower_bound,
+                                interpret=interpret)
+    return intra_pairs(ins, scale=scale, fused=fused, lower_bound=lower_bound,
+                       interpret=interpret, params=params)
+
+
 def intra_pairs(ins, *, scale, fused, lower_bound, interpret, params):
     """``(L fp32, bk, Qg, Kd, Aqk, gl)`` of every chunk (``_pairs_kernel``). ``ins``: q, k, v, g,
     beta [, gate_scale, dt_bias when ``fused``]."""
@@ -185,20 +212,14 @@ def intra_wu(x, bk, v, beta, *, fused, interpret, params):
     )(x, bk, v, beta)
 
 
-def intra_stage(ins, *, scale, fused, lower_bound, interpret, params, inverse_params,
-                pairs="triton"):
+def intra_stage(ins, *, scale, fused, lower_bound, interpret, params, inverse_params, pairs):
     """``(X, W, U, Qg, Kd, Aqk, gl)`` of every chunk, ``X = (I + L)^{-1}`` (the backward reuses
     it). ``ins``: q, k, v, g, beta [, gate_scale, dt_bias when ``fused``]; ``inverse_params``:
     launch parameters of the inverse kernel (it wants fewer warps than the others); ``pairs``:
-    the pair kernel, this file's (``"triton"``) or ``mosaic_gpu_pairs``'s (``"mosaic_gpu"``)."""
+    the pair kernel (``pair_matrices``)."""
     v, beta = ins[2], ins[4]
-    if pairs == "mosaic_gpu":
-        L, bk, qg, kd, aqk, gl = intra_pairs_mgpu(ins, scale=scale, fused=fused,
-                                                  lower_bound=lower_bound, interpret=interpret)
-    else:
-        L, bk, qg, kd, aqk, gl = intra_pairs(ins, scale=scale, fused=fused,
-                                             lower_bound=lower_bound, interpret=interpret,
-                                             params=params)
+    L, bk, qg, kd, aqk, gl = pair_matrices(ins, scale=scale, fused=fused, lower_bound=lower_bound,
+                                           interpret=interpret, params=params, pairs=pairs)
     x = chunk_inverses(L, qg.dtype, interpret=interpret, params=inverse_params)
     w, u = intra_wu(x, bk, v, beta, fused=fused, interpret=interpret, params=params)
     return x, w, u, qg, kd, aqk, gl

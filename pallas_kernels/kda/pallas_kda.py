@@ -73,7 +73,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.chunk_math import dot as _dot
 from pallas_kernels.kda.intra_blocks import compiler_params, matmul_dtypes
-from pallas_kernels.kda.pallas_intra import intra_stage
+from pallas_kernels.kda.pallas_intra import (
+    PAIR_KERNELS, default_pairs, intra_stage, mosaic_gpu_pairs_fit,
+)
 from pallas_kernels.kda.pallas_states import sequence_chunks, state_pass
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
@@ -317,18 +319,6 @@ def gate_params(A_log: jax.Array, dt_bias: jax.Array, H: int, K: int) -> tuple[j
 
 
 INTER_STAGES = ("fused", "two_pass")
-PAIR_KERNELS = ("triton", "mosaic_gpu")
-
-
-def mosaic_gpu_pairs_fit(q_dtype, v_dtype, K: int) -> bool:
-    """Whether ``mosaic_gpu_pairs`` takes these inputs: bf16 (its products and stores are bf16)
-    and whole 64-channel swizzle tiles."""
-    return q_dtype == jnp.bfloat16 and v_dtype == jnp.bfloat16 and K % 64 == 0
-
-
-def default_pairs(q_dtype, v_dtype, K: int) -> str:
-    """The intra stage's pair kernel when the call names none."""
-    return "triton"
 
 
 def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret, fused,
@@ -353,12 +343,12 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
     if inter not in INTER_STAGES:
         raise ValueError(f"inter: expected one of {INTER_STAGES}, got {inter!r}")
-    pairs = default_pairs(q.dtype, v.dtype, K) if pairs is None else pairs
+    pairs = default_pairs(q, k, v, g) if pairs is None else pairs
     if pairs not in PAIR_KERNELS:
         raise ValueError(f"pairs: expected one of {PAIR_KERNELS}, got {pairs!r}")
-    if pairs == "mosaic_gpu" and not mosaic_gpu_pairs_fit(q.dtype, v.dtype, K):
-        raise ValueError(f"pairs='mosaic_gpu' needs bf16 q and v and K a multiple of 64, got "
-                         f"q {q.dtype}, v {v.dtype}, K={K}")
+    if pairs == "mosaic_gpu" and not mosaic_gpu_pairs_fit(q, k, v, g):
+        raise ValueError(f"pairs='mosaic_gpu' needs bf16 q, k, v, g and K a multiple of 64, got "
+                         f"q {q.dtype}, k {k.dtype}, v {v.dtype}, g {g.dtype}, K={K}")
     scale = K**-0.5 if scale is None else float(scale)
     # Padding steps are identities: k = v = 0, beta = 0 and g = 0; with the fused activations the
     # gate and beta pre-activations are padded with -inf (sigmoid(-inf) = 0). Padding happens

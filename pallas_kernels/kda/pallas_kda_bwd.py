@@ -4,10 +4,10 @@ The same three passes as ``chunk_backward.py``, as ``pl.pallas_call``s (this fil
 the entry point; kernel bodies in ``pallas_states.py``, ``pallas_bwd_value.py``,
 ``pallas_bwd_channels.py``):
 
-1. ``stage_parts``, grid ``(B, H, N)``, parallel: recompute the chunk's A = (I + L)^{-1}, W, U,
-   Aqk, Qg, Kd and decay gl from q, k, v, g, beta with the forward's own intra stage; or, when
-   the forward kept A and Aqk (``intra=``, what ``chunk_kda``'s gradient does),
-   ``stage_parts_saved``: only the gate terms and W, U, in one kernel.
+1. ``stage_parts``, grid ``(B, H, N)``, parallel: recompute the chunk's A = (I + L)^{-1} and
+   Aqk with the forward's pair and inverse kernels, then W, U, Qg, Kd and decay gl from A; or,
+   when the forward kept A and Aqk (``intra=``, what ``chunk_kda``'s gradient does),
+   ``stage_parts_saved``: only that last kernel.
 2. ``stage_states`` / ``stage_dstates``, grid ``(S, H, V / BV)``: the forward state recurrence
    again (storing every chunk's input state ``h`` and ``v_new``), then the reverse one for ``dh``
    and ``dv_new``, with the state on chip; the reverse one's last value is the initial state's
@@ -43,7 +43,9 @@ from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.intra_blocks import approx_math
 from pallas_kernels.kda.pallas_bwd_channels import channel_grads_kernel
 from pallas_kernels.kda.pallas_bwd_value import chunk_sums_kernel
-from pallas_kernels.kda.pallas_intra import intra_from_inverse, intra_stage
+from pallas_kernels.kda.pallas_intra import (
+    chunk_inverses, default_pairs, intra_from_inverse, pair_matrices,
+)
 from pallas_kernels.kda.pallas_kda import (
     FEW_SEQUENCE_HEADS, INVERSE_WARPS, PIPELINE_STAGES, compiler_params, matmul_dtypes,
 )
@@ -59,23 +61,28 @@ _TUNING = ("interpret", "num_warps", "num_stages")
 def stage_parts(q, k, v, g, beta, *, scale, interpret, num_warps, num_stages):
     """Pass 1: ``(A, W, U, Aqk, Qg, Kd, gl)`` of every chunk.
 
-    The forward's own intra stage (``pallas_intra.intra_stage``), so W, U, Aqk, Qg, Kd are the
-    forward's values bit for bit; A is the ``(I + L)^{-1}`` that its inverse kernel
-    already writes.
+    The forward's pair and inverse kernels (``pallas_intra.pair_matrices`` with the forward's
+    default pair kernel, ``chunk_inverses``), so A and Aqk are the forward's bit for bit; W, U,
+    Qg, Kd, gl then come from A as in ``stage_parts_saved``, so the backward's gradients are the
+    same bit for bit whether or not the forward kept A and Aqk. (With the Mosaic GPU pair kernel
+    the forward forms its own Qg, Kd, gl in that kernel: equal to these to float rounding.)
     """
-    A, W, U, qg, kd, aqk, gl = intra_stage(
-        (q, k, v, g, beta), scale=scale, fused=False, lower_bound=0.0, interpret=interpret,
-        params=compiler_params(interpret, num_warps, num_stages),
-        inverse_params=compiler_params(interpret, INVERSE_WARPS, num_stages),
-    )
+    ins = (q, k, v, g, beta)
+    params = compiler_params(interpret, num_warps, num_stages)
+    L, _, qg, _, aqk, _ = pair_matrices(
+        ins, scale=scale, fused=False, lower_bound=0.0, interpret=interpret, params=params,
+        pairs=default_pairs(q, k, v, g))
+    A = chunk_inverses(L, qg.dtype, interpret=interpret,
+                       params=compiler_params(interpret, INVERSE_WARPS, num_stages))
+    W, U, qg, kd, gl = intra_from_inverse(A, ins, scale=scale, interpret=interpret, params=params)
     return A, W, U, aqk, qg, kd, gl
 
 
 @functools.partial(jax.jit, static_argnames=("scale",) + _TUNING)
 def stage_parts_saved(A, aqk, q, k, v, g, beta, *, scale, interpret, num_warps, num_stages):
     """Pass 1 when the forward kept ``A`` and ``Aqk`` (``pallas_chunk_kda(return_intra=True)``):
-    the same ``(A, W, U, Aqk, Qg, Kd, gl)`` as ``stage_parts``, bit for bit, from one kernel
-    without the pair products and the inverse (``pallas_intra.intra_from_inverse``)."""
+    the same ``(A, W, U, Aqk, Qg, Kd, gl)`` as ``stage_parts``, bit for bit, from its last
+    kernel alone (``pallas_intra.intra_from_inverse``)."""
     W, U, qg, kd, gl = intra_from_inverse(
         A, (q, k, v, g, beta), scale=scale, interpret=interpret,
         params=compiler_params(interpret, num_warps, num_stages))
