@@ -1,29 +1,35 @@
 """The KDA intra stage's pair kernel in Mosaic GPU (Hopper: TMA copies, wgmma products).
 
 Same outputs as ``pallas_intra.intra_pairs`` (``L`` fp32, ``bk``, ``Qg``, ``Kd``, ``Aqk``, ``gl``),
-from bf16 inputs, for one chunk of one head per warpgroup (grid ``(N, H, B)``). Why a second
-backend for this one kernel: in the Pallas-Triton form it costs half the forward (4.85 of 9.42 ms
-at B4 T8192 H96, benchmarks/RESULTS.md) because Triton cannot slice register tiles, so each
-16-column block of ``L`` and ``Aqk`` is a masked ``[64, K] x [K, 64]`` product (4x the tensor-core
-work) at 255 registers. Here each block is its own ``[64, K] x [K, 16]`` wgmma into a column slice
-of one accumulator, and the operands go through shared memory explicitly.
+from bf16 inputs, one chunk of one head per warpgroup (grid ``(N, H, B)``). Why a second backend
+for this one kernel: in the Pallas-Triton form it took half the forward (4.84 of 9.48 ms at B4
+T8192 H96) because Triton cannot slice register tiles, so each 16-column block of ``L`` and
+``Aqk`` is a masked ``[64, K] x [K, 64]`` product (4x the tensor-core work) at 255 registers. Here
+each block is its own ``[64, K] x [K, 16]`` wgmma into a column slice of one accumulator, and the
+operands go through shared memory explicitly: 3.55 ms, the forward 8.18 ms (benchmarks/RESULTS.md,
+ninth run).
 
 Work per chunk (``G`` in units of ln 2 and ``exp2``; kda.md 2.1 / 2.4, ``chunk_math``'s midpoint
 factorisation with the column block's midpoint ``m_j``):
 
-1. TMA the chunk's q, k, g (by 64-channel halves: one bf16 swizzle tile is 64 wide) and beta.
-2. The gate activation per half, split ``g = hi + lo`` into two bf16 terms, and the cumulative
-   gate as two tensor-core products with the lower-triangular ones matrix (``G = T hi + T lo``;
-   the split keeps 16 of fp32's 24 bits of each step, ~3e-4 relative in a 64-step decay, far
-   below bf16 outputs' 2^-9). ``G`` is kept in shared memory in fp32; its rows give ``m_j``.
-3. The column operand ``kc = k e^{m(c) - G}`` (each row against its own sub-chunk's midpoint),
-   then per column block ``j`` the row operands ``k e^{min(G - m_j, 40)}``, ``qs e^{...}`` and two
-   wgmmas into column block ``j`` of the ``L`` and ``Aqk`` accumulators.
-4. The gate terms ``Kd``, ``bk``, ``Qg``, ``gl`` and the masked ``L`` (times beta_r), ``Aqk``,
-   staged in the freed buffers and stored by TMA.
+1. TMA the chunk's q, k, g (by 64-channel halves: one bf16 swizzle tile is 64 wide) and beta;
+   the L2 norms (fused activations) as per-row factors over both halves.
+2. Per channel half, which adds its share to both pair accumulators:
+   a. the gate activation, split ``g = hi + lo`` into two bf16 terms, and the cumulative gate as
+      two tensor-core products with the lower-triangular ones matrix (``G = T hi + T lo``; the
+      split keeps 16 of fp32's 24 bits of each step, ~3e-4 relative in a 64-step decay, far below
+      bf16 outputs' 2^-9). ``G`` stays in registers; a plain fp32 copy gives its rows ``m_j``.
+   b. the column operand ``kc = k e^{m(c) - G}`` (each row against its own sub-chunk's
+      midpoint), then per column block ``j`` the row operands ``k e^{min(G - m_j, 40)}``,
+      ``qs e^{...}`` (double-buffered, so block j's are written while block j-1's products run)
+      and two wgmmas into column block ``j`` of the ``L`` and ``Aqk`` accumulators.
+   c. the half's ``Kd``, ``bk``, ``Qg``, ``gl``, staged in its own input buffers and stored by TMA
+      while the next half runs.
+3. The masked ``L`` (times beta_r) and ``Aqk``, staged in freed buffers and stored by TMA.
 
-q and k stay in shared memory as loaded; their L2 norm (fused activations) is a per-row factor
-applied at every reload, so every output sees the same fp32 normalised values.
+Shared memory ~105 KB and 255 registers: two warpgroups per SM. The body places its own barriers
+(``commit_smem``) and runs with Mosaic GPU's automatic ones off (a first form with them, the rows
+of G taken by cross-warp reductions and G reloaded from shared memory took 11.8 ms).
 """
 
 from __future__ import annotations

@@ -36,23 +36,25 @@ four matmuls per chunk, which matters when ``B * H`` is small (B=1, H=16 has onl
 programs for 132 SMs); the price is one HBM round trip of W, U, Qg, Kd, Aqk (in the input
 dtype, like fla's pipeline).
 
-Backend choice: the Pallas-Triton lowering (``jax.experimental.pallas.triton``), not Mosaic GPU.
-Mosaic GPU (``plgpu.kernel``) is the documented GPU direction in jax 0.11, but its programming
-model is warpgroup-level with explicit SMEM/TMA/wgmma management and no register-value
-indexing either; getting an algorithm with a 64x64 triangular solve, many small 16x16 dots and a
-carried fp32 state right in it was not feasible inside this task's time box, while the Triton
-lowering (still working on jax 0.11.2, deprecated) expresses it directly with ``jnp`` ops and
-``jnp.dot`` and runs unchanged in ``interpret=True`` mode on CPU for tests. The kernels avoid
-Triton-only primitives (only ref loads/stores with ``pl.ds``, ``jnp`` math, ``lax.fori_loop``),
-so a port to Mosaic GPU / Mosaic TPU is a rewrite of the memory movement, not of the math.
-Triton constraints: K, V and BV must be powers of two >= 16.
+Backends: the intra stage's pair kernel is Mosaic GPU (``mosaic_gpu_pairs.py``: TMA copies and
+wgmma products, the documented GPU direction in jax 0.11) wherever it fits (bf16 q, k, v, g; K a
+multiple of 64; ``pallas_intra.default_pairs``), the Pallas-Triton one otherwise; every other
+kernel is Pallas-Triton (still working on jax 0.11.2, deprecated). Why the mix: the pair kernel
+is where Triton's lack of register slicing cost most (each 16-column block of L and Aqk a masked
+64-column product, 255 registers), and Mosaic GPU's explicit shared-memory tiles and wgmma into
+accumulator column slices fix exactly that (4.84 -> 3.55 ms at B4 T8192 H96). The inverse, the
+W/U products and the chunk loops with a carried fp32 state are written as Triton kernels that
+run unchanged in ``interpret=True`` mode on CPU; they avoid Triton-only primitives (only ref
+loads/stores with ``pl.ds``, ``jnp`` math, ``lax.fori_loop``), so moving them to Mosaic GPU or
+Mosaic TPU is a rewrite of the memory movement, not of the math. Mosaic GPU kernels are tested
+on CPU in Mosaic GPU's interpreter. Triton constraints: K, V and BV must be powers of two >= 16.
 
-Measured on one H200 beside fla-core in the same job (benchmarks/RESULTS.md): B4 T8192 H96 D128
-bf16 9.43 ms with the fused activations (fla 9.95 ms), B1 T32768 H16 2.23 ms (fla 2.24 ms); bf16
-error vs the fp32 reference equal to fla's. bf16 inputs take the hardware exp2 / reciprocal
-(``intra_blocks.gate_exp``); fp32 inputs stay exact. Defaults: ``default_inter`` (the inter
-stage's form, block_v and warps by the number of sequence-heads), ``INTRA_WARPS``,
-``INVERSE_WARPS`` and ``PIPELINE_STAGES``, the fastest measured.
+Measured on one H200 beside fla-core in the same job (benchmarks/RESULTS.md, ninth run): B4
+T8192 H96 D128 bf16 8.18 ms with the fused activations (fla 9.96 ms), B1 T32768 H16 2.05 ms (fla
+2.26 ms); bf16 error vs the fp32 reference equal to fla's. bf16 inputs take the hardware exp2 /
+reciprocal (``intra_blocks.gate_exp``); fp32 inputs stay exact. Defaults: ``default_inter`` (the
+inter stage's form, block_v and warps by the number of sequence-heads), ``default_pairs``,
+``INTRA_WARPS``, ``INVERSE_WARPS`` and ``PIPELINE_STAGES``, the fastest measured.
 Intra stages measured slower on the H200 and removed (benchmarks/RESULTS.md): one kernel over
 16-row sub-chunks ("v1", 13.5 ms at B4 T8192 H96), the same as two kernels ("split"), and the
 variants "lean", "blocks", "stream" and "kblock".
