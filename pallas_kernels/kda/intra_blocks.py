@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import ptx_math
-from pallas_kernels.kda.chunk_math import BC, NC
+from pallas_kernels.kda.chunk_math import BC, C, NC
 from pallas_kernels.kda.chunk_math import dot as _dot
 
 try:  # Triton compiler params (GPU only); interpret mode ignores them.
@@ -67,6 +67,17 @@ def unit_lower_inverse(L, mm_dtype=_F32):
                 acc = acc + mm(L[i, m], X[m, j])
             X[i, j] = -mm(X[i, i], acc)
     return X
+
+
+def pair_output_types(q: jax.Array, store_dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The pair kernels' outputs for q [B, Tp, H, K]: ``(L fp32 [B, Tp, H, C] strictly lower,
+    bk = beta k e^G, Qg, Kd [B, Tp, H, K], Aqk [B, Tp, H, C] causal, all in ``store_dtype``, and
+    gl = e^{G_last} fp32 [B, N, H, K])``."""
+    B, Tp, H, K = q.shape
+    sds = jax.ShapeDtypeStruct
+    return (sds((B, Tp, H, C), _F32), sds((B, Tp, H, K), store_dtype),
+            sds((B, Tp, H, K), store_dtype), sds((B, Tp, H, K), store_dtype),
+            sds((B, Tp, H, C), store_dtype), sds((B, Tp // C, H, K), _F32))
 
 
 def approx_math(interpret: bool, mm_dtype) -> bool:

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.chunk_math import BC, C, CLAMP, MID, NC
+from pallas_kernels.kda.intra_blocks import pair_output_types
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 HALF = 64  # channels per bf16 128-byte swizzle tile
@@ -212,17 +213,9 @@ def intra_pairs_mgpu(ins, *, scale: float, fused: bool, lower_bound: float, inte
     tiles = (plgpu.TilingTransform((8, HALF)), plgpu.SwizzleTransform(128))
     buf = lambda: plgpu.SMEM((max(nk, 2), C, HALF), _BF16, transforms=tiles)  # noqa: E731
     n_copies = nk * (5 if fused else 3) + 1
-    sds = jax.ShapeDtypeStruct
     kernel = plgpu.kernel(
         functools.partial(_pairs_body, scale=scale, fused=fused, lower_bound=lower_bound, nk=nk),
-        out_type=(
-            sds((B, Tp, H, C), _F32),  # L, strictly lower
-            sds((B, Tp, H, K), _BF16),  # beta k e^G
-            sds((B, Tp, H, K), _BF16),  # Qg
-            sds((B, Tp, H, K), _BF16),  # Kd
-            sds((B, Tp, H, C), _BF16),  # Aqk
-            sds((B, n, H, K), _F32),  # e^{G_last}
-        ),
+        out_type=pair_output_types(q, _BF16),
         grid=(n, H, B),
         grid_names=("c", "h", "b"),
         scratch_types=(

@@ -37,8 +37,8 @@ from pallas_kernels.kda.chunk_math import (
     BC, BF16X3, C, NC, causal_masks, dot, pair_scores_many, row,
 )
 from pallas_kernels.kda.intra_blocks import (
-    activations, approx_math, beta_activation, gate_exp, matmul_dtypes, store_row,
-    unit_lower_inverse,
+    activations, approx_math, beta_activation, gate_exp, matmul_dtypes, pair_output_types,
+    store_row, unit_lower_inverse,
 )
 from pallas_kernels.kda.mosaic_gpu_pairs import intra_pairs_mgpu
 
@@ -158,22 +158,13 @@ def intra_pairs(ins, *, scale, fused, lower_bound, interpret, params):
     """``(L fp32, bk, Qg, Kd, Aqk, gl)`` of every chunk (``_pairs_kernel``). ``ins``: q, k, v, g,
     beta [, gate_scale, dt_bias when ``fused``]."""
     q, k, v, g, beta = ins[:5]
-    B, Tp, H, K = q.shape
-    n = Tp // C
+    B, Tp, H, _ = q.shape
     mm_dtype, sd = matmul_dtypes(v)
-    sds = jax.ShapeDtypeStruct
     return pl.pallas_call(
         functools.partial(_pairs_kernel, scale=scale, mm_dtype=mm_dtype, fused=fused,
                           lower_bound=lower_bound, approx=approx_math(interpret, mm_dtype)),
-        grid=(B, H, n),
-        out_shape=(
-            sds((B, Tp, H, C), _F32),  # L, strictly lower
-            sds((B, Tp, H, K), sd),  # beta k e^G
-            sds((B, Tp, H, K), sd),  # Qg
-            sds((B, Tp, H, K), sd),  # Kd
-            sds((B, Tp, H, C), sd),  # Aqk
-            sds((B, n, H, K), _F32),  # e^{G_last}
-        ),
+        grid=(B, H, Tp // C),
+        out_shape=pair_output_types(q, sd),
         interpret=interpret,
         name="kda_intra_pairs",
         **params,

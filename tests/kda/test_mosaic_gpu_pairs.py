@@ -50,17 +50,19 @@ def _reference(qs, k, g, beta):
     return merge(L), merge(bk), merge(qg), merge(kd), merge(aqk), jnp.moveaxis(gl, 1, 2)
 
 
-def _inputs(lower_bound: float, seed: int) -> dict[str, jax.Array]:
-    x = as_f32(kda_case(np.random.default_rng(seed), B, T, H, K, K, lower_bound))
+def _inputs(lower_bound: float, seed: int, k_dim: int = K) -> dict[str, jax.Array]:
+    x = as_f32(kda_case(np.random.default_rng(seed), B, T, H, k_dim, k_dim, lower_bound))
     return {n: a.astype(_BF16) for n, a in x.items()}
 
 
 # "bound": steps near -5, the factorisation's tightest case (e^{G_last} underflows to 0);
 # "mild": small decays, so e^{G_last} and the far pairs stay well inside fp32's range.
-@pytest.mark.parametrize("lower_bound", [-5.0, -0.3], ids=["bound", "mild"])
-def test_pre_activated_inputs_match_the_chunk_algebra(lower_bound: float) -> None:
-    x = _inputs(lower_bound, seed=1)
-    scale = K**-0.5
+# K = 64: one swizzle tile of channels instead of two.
+@pytest.mark.parametrize("lower_bound, k_dim", [(-5.0, K), (-0.3, K), (-5.0, 64)],
+                         ids=["bound", "mild", "K64"])
+def test_pre_activated_inputs_match_the_chunk_algebra(lower_bound: float, k_dim: int) -> None:
+    x = _inputs(lower_bound, seed=1, k_dim=k_dim)
+    scale = k_dim**-0.5
     got = intra_pairs_mgpu((x["q"], x["k"], x["v"], x["g"], x["beta"]), scale=scale, fused=False,
                            lower_bound=lower_bound, interpret=True)
     f32 = {n: a.astype(_F32) for n, a in x.items()}
