@@ -1,7 +1,7 @@
 """The KDA intra stage's pair kernel in Mosaic GPU (Hopper: TMA copies, wgmma products).
 
 Same outputs as ``pallas_intra.intra_pairs`` (``L`` fp32, ``bk``, ``Qg``, ``Kd``, ``Aqk``, ``gl``),
-from bf16 inputs, one chunk of one head per warpgroup (grid ``(N, H, B)``). Why a second backend
+from bf16 q, k and a bf16 or fp32 gate, one chunk of one head per warpgroup (grid ``(N, H, B)``). Why a second backend
 for this one kernel: in the Pallas-Triton form it took half the forward (4.84 of 9.48 ms at B4
 T8192 H96) because Triton cannot slice register tiles, so each 16-column block of ``L`` and
 ``Aqk`` is a masked ``[64, K] x [K, 64]`` product (4x the tensor-core work) at 255 registers. Here
@@ -13,7 +13,9 @@ Work per chunk (``G`` in units of ln 2 and ``exp2``; kda.md 2.1 / 2.4, ``chunk_m
 factorisation with the column block's midpoint ``m_j``):
 
 1. TMA the chunk's q, k, g (by 64-channel halves: one bf16 swizzle tile is 64 wide) and beta;
-   the L2 norms (fused activations) as per-row factors over both halves.
+   the L2 norms (fused activations) as per-row factors over both halves. An fp32 gate (the
+   model's pre-activated one) comes one half at a time into the second row-operand buffer,
+   the next half's copy issued once this one is read, so its row operands are single-buffered.
 2. Per channel half, which adds its share to both pair accumulators:
    a. the gate activation, split ``g = hi + lo`` into two bf16 terms, and the cumulative gate as
       two tensor-core products with the lower-triangular ones matrix (``G = T hi + T lo``; the
@@ -73,7 +75,7 @@ def _sigmoid(x: jax.Array) -> jax.Array:
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int):
+def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int, g_f32: bool):
     if fused:
         q_ref, k_ref, g_ref, bt_ref, gs_ref, db_ref, *refs = refs
     else:
@@ -81,6 +83,9 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int):
         gs_ref = db_ref = None
     (l_ref, bk_ref, qg_ref, kd_ref, a_ref, gl_ref,
      tq, tk, tg, tx, ty, gp, beta_s, gs_s, db_s, gl_s, bars) = refs
+    # an fp32 gate comes one half at a time into ``ty``'s bytes (``tf``), so the row operands are
+    # single-buffered then
+    tf, ty = (ty, None) if g_f32 else (None, ty)
     c, h, b = lax.axis_index("c"), lax.axis_index("h"), lax.axis_index("b")
     ts = pl.ds(c * C, C)
     halves = [pl.ds(hh * HALF, HALF) for hh in range(nk)]
@@ -89,8 +94,11 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int):
     # 1. loads, one barrier per copy
     copies = []
     for hh, cs in enumerate(halves):
-        copies += [(q_ref.at[b, ts, h, cs], tq.at[hh]), (k_ref.at[b, ts, h, cs], tk.at[hh]),
-                   (g_ref.at[b, ts, h, cs], tg.at[hh])]
+        copies += [(q_ref.at[b, ts, h, cs], tq.at[hh]), (k_ref.at[b, ts, h, cs], tk.at[hh])]
+        if not g_f32:
+            copies.append((g_ref.at[b, ts, h, cs], tg.at[hh]))
+        elif hh == 0:
+            copies.append((g_ref.at[b, ts, h, cs], tf))
         if fused:
             copies += [(gs_ref.at[h, cs], gs_s.at[hh]), (db_ref.at[h, cs], db_s.at[hh])]
     copies.append((bt_ref.at[b, h, ts], beta_s))
@@ -122,7 +130,16 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int):
         """Both pair matrices, summed over the channel halves (each half its own G)."""
         for hh in range(nk):
             # 2. gate activation and the cumulative gate G (units of ln 2) of this half
-            g = _tile(tg.at[hh])
+            if g_f32:
+                if hh:
+                    plgpu.barrier_wait(bars.at[len(copies) + hh - 1])
+                g = _tile(tf)
+                if hh + 1 < nk:  # the next half's gate, once every thread has read this one
+                    plgpu.commit_smem()
+                    plgpu.copy_gmem_to_smem(g_ref.at[b, ts, h, halves[hh + 1]], tf,
+                                            bars.at[len(copies) + hh])
+            else:
+                g = _tile(tg.at[hh])
             if fused:
                 gs = _cols(plgpu.load(gs_s.at[hh], layout=_COLS))
                 db = _cols(plgpu.load(db_s.at[hh], layout=_COLS))
@@ -154,9 +171,14 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int):
             for j in range(NC):
                 cols = pl.ds(j * BC, BC)
                 rf = jnp.exp2(jnp.minimum(G - row(j * BC + MID), CLAMP * unit))
-                ops = tx if j % 2 == 0 else ty  # double-buffered: block j's operands are
-                if j >= 2:  # written while block j - 1's products run
-                    plgpu.wgmma_wait(2)
+                if ty is None:
+                    ops = tx
+                    if j:
+                        plgpu.wgmma_wait(0)
+                else:  # double-buffered: block j's operands are written while block j - 1's
+                    ops = tx if j % 2 == 0 else ty  # products run
+                    if j >= 2:
+                        plgpu.wgmma_wait(2)
                 ops[0] = (k * rf).astype(_BF16)
                 ops[1] = (_tile(tq.at[hh]) * rq * rf).astype(_BF16)
                 plgpu.commit_smem()
@@ -203,23 +225,28 @@ def intra_pairs_mgpu(ins, *, scale: float, fused: bool, lower_bound: float, inte
     K a multiple of 64. ``interpret``: Mosaic GPU's CPU interpreter (tests)."""
     q, k, _, g, beta = ins[:5]
     B, Tp, H, K = q.shape
-    if q.dtype != _BF16 or Tp % C or K % HALF:
-        raise ValueError(f"mosaic_gpu_pairs: wants bf16 q [B, T, H, K] with T % {C} == 0 and "
-                         f"K % {HALF} == 0, got {q.dtype} {q.shape}")
+    if q.dtype != _BF16 or k.dtype != _BF16 or g.dtype not in (_BF16, _F32) or Tp % C or K % HALF:
+        raise ValueError(f"mosaic_gpu_pairs: wants bf16 q, k [B, T, H, K] and a bf16 or fp32 g, "
+                         f"T % {C} == 0 and K % {HALF} == 0, got q {q.dtype} {q.shape}, k "
+                         f"{k.dtype}, g {g.dtype}")
+    g_f32 = g.dtype == _F32
     nk = K // HALF
     n = Tp // C
     extra = [x.astype(_F32) for x in ins[5:]] if fused else []
     beta_t = jnp.swapaxes(beta, 1, 2).astype(_F32)  # [B, H, T]: one TMA row per chunk
     tiles = (plgpu.TilingTransform((8, HALF)), plgpu.SwizzleTransform(128))
     buf = lambda: plgpu.SMEM((max(nk, 2), C, HALF), _BF16, transforms=tiles)  # noqa: E731
-    n_copies = nk * (5 if fused else 3) + 1
+    f32_tiles = (plgpu.TilingTransform((8, HALF // 2)), plgpu.SwizzleTransform(128))
+    n_copies = nk * (5 if fused else 3) + 1  # with an fp32 gate, halves after the first later
     kernel = plgpu.kernel(
-        functools.partial(_pairs_body, scale=scale, fused=fused, lower_bound=lower_bound, nk=nk),
+        functools.partial(_pairs_body, scale=scale, fused=fused, lower_bound=lower_bound, nk=nk,
+                          g_f32=g_f32),
         out_type=pair_output_types(q, _BF16),
         grid=(n, H, B),
         grid_names=("c", "h", "b"),
         scratch_types=(
-            buf(), buf(), buf(), buf(), buf(),
+            buf(), buf(), buf(), buf(),
+            plgpu.SMEM((C, HALF), _F32, transforms=f32_tiles) if g_f32 else buf(),  # ty or tf
             plgpu.SMEM((C, C), _F32),  # one half's G (for its rows), then L
             plgpu.SMEM((C,), _F32),  # beta
             plgpu.SMEM((nk, HALF), _F32),  # gate scale

@@ -131,10 +131,11 @@ PAIR_KERNELS = ("triton", "mosaic_gpu")
 
 
 def mosaic_gpu_pairs_fit(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array) -> bool:
-    """Whether ``mosaic_gpu_pairs`` takes these inputs: bf16 q, k, v and gate (its operand tiles
-    and stores are bf16; an fp32 gate rounded to bf16 would move a chunk's decays by up to
-    ``|G| 2^-9``) and whole 64-channel swizzle tiles."""
-    return all(x.dtype == jnp.bfloat16 for x in (q, k, v, g)) and q.shape[-1] % 64 == 0
+    """Whether ``mosaic_gpu_pairs`` takes these inputs: bf16 q, k, v (its operand tiles and
+    stores are bf16), a bf16 or fp32 gate (fp32 kept exact: rounded to bf16 it would move a
+    chunk's decays by up to ``|G| 2^-9``), and whole 64-channel swizzle tiles."""
+    return (all(x.dtype == jnp.bfloat16 for x in (q, k, v))
+            and g.dtype in (jnp.bfloat16, jnp.float32) and q.shape[-1] % 64 == 0)
 
 
 def default_pairs(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array) -> str:

@@ -349,7 +349,8 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
     if pairs not in PAIR_KERNELS:
         raise ValueError(f"pairs: expected one of {PAIR_KERNELS}, got {pairs!r}")
     if pairs == "mosaic_gpu" and not mosaic_gpu_pairs_fit(q, k, v, g):
-        raise ValueError(f"pairs='mosaic_gpu' needs bf16 q, k, v, g and K a multiple of 64, got "
+        raise ValueError(f"pairs='mosaic_gpu' needs bf16 q, k, v, a bf16 or fp32 g and K a "
+                         f"multiple of 64, got "
                          f"q {q.dtype}, k {k.dtype}, v {v.dtype}, g {g.dtype}, K={K}")
     scale = K**-0.5 if scale is None else float(scale)
     # Padding steps are identities: k = v = 0, beta = 0 and g = 0; with the fused activations the

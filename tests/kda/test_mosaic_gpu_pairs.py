@@ -57,11 +57,17 @@ def _inputs(lower_bound: float, seed: int, k_dim: int = K) -> dict[str, jax.Arra
 
 # "bound": steps near -5, the factorisation's tightest case (e^{G_last} underflows to 0);
 # "mild": small decays, so e^{G_last} and the far pairs stay well inside fp32's range.
-# K = 64: one swizzle tile of channels instead of two.
-@pytest.mark.parametrize("lower_bound, k_dim", [(-5.0, K), (-0.3, K), (-5.0, 64)],
-                         ids=["bound", "mild", "K64"])
-def test_pre_activated_inputs_match_the_chunk_algebra(lower_bound: float, k_dim: int) -> None:
+# K = 64: one swizzle tile of channels instead of two; "fp32 gate": the gate read in fp32, one
+# channel half at a time.
+@pytest.mark.parametrize("lower_bound, k_dim, gate_dtype",
+                         [(-5.0, K, _BF16), (-0.3, K, _BF16), (-5.0, 64, _BF16), (-5.0, K, _F32)],
+                         ids=["bound", "mild", "K64", "fp32 gate"])
+def test_pre_activated_inputs_match_the_chunk_algebra(lower_bound: float, k_dim: int,
+                                                      gate_dtype) -> None:
     x = _inputs(lower_bound, seed=1, k_dim=k_dim)
+    if gate_dtype == _F32:  # a gate off the bf16 grid, as the model makes it
+        x["g"] = lower_bound * jax.nn.sigmoid(jnp.asarray(
+            np.random.default_rng(9).standard_normal(x["g"].shape), _F32))
     scale = k_dim**-0.5
     got = intra_pairs_mgpu((x["q"], x["k"], x["v"], x["g"], x["beta"]), scale=scale, fused=False,
                            lower_bound=lower_bound, interpret=True)
@@ -99,8 +105,8 @@ def test_forward_default_takes_it_and_matches_the_reference() -> None:
     within bf16 rounding of the Triton pair kernel's forward."""
     x = as_f32(kda_case(np.random.default_rng(3), B, 65, H, K, 64))
     q, k, v, g = (x[n].astype(_BF16) for n in ("q", "k", "v", "g"))
-    assert default_pairs(q, k, v, g) == "mosaic_gpu"
-    assert default_pairs(q, k, v, x["g"]) == "triton"  # an fp32 gate stays exact
+    assert default_pairs(q, k, v, g) == "mosaic_gpu" == default_pairs(q, k, v, x["g"])
+    assert default_pairs(x["q"], x["k"], x["v"], x["g"]) == "triton"
     assert default_pairs(q[..., :32], k[..., :32], v, g[..., :32]) == "triton"
     run = lambda pairs: pallas_chunk_kda(  # noqa: E731
         q, k, v, g, x["beta"], initial_state=x["s0"], interpret=True, pairs=pairs)
@@ -130,12 +136,13 @@ def test_kept_intra_backward_equals_the_recomputing_one() -> None:
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_lowers_for_h200(fused: bool) -> None:
+@pytest.mark.parametrize("fused, gate_dtype", [(False, _BF16), (True, _BF16), (False, _F32)])
+def test_lowers_for_h200(fused: bool, gate_dtype) -> None:
     """The kernel passes Pallas -> Mosaic GPU lowering (layout inference included) for an H200:
     one Mosaic GPU custom call carrying the kernel's name."""
     S = jax.ShapeDtypeStruct
-    ins = [S((B, 4 * C, H, K), _BF16)] * 4 + [S((B, 4 * C, H), _BF16)]
+    ins = [S((B, 4 * C, H, K), _BF16)] * 3 + [S((B, 4 * C, H, K), gate_dtype)]
+    ins += [S((B, 4 * C, H), _BF16)]
     ins += [S((H, K), _F32)] * 2 if fused else []
     text = lowered_for_h200(lambda *a: intra_pairs_mgpu(a, scale=0.1, fused=fused,
                                                         lower_bound=-5.0, interpret=False), *ins)
@@ -146,11 +153,14 @@ def test_lowers_for_h200(fused: bool) -> None:
 def test_rejects_inputs_it_cannot_take() -> None:
     x = _inputs(-5.0, seed=6)
     ins = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    with pytest.raises(ValueError, match=r"^mosaic_gpu_pairs: wants bf16 q"):
+    with pytest.raises(ValueError, match=r"^mosaic_gpu_pairs: wants bf16 q, k"):
         intra_pairs_mgpu(tuple(a.astype(_F32) for a in ins), scale=1.0, fused=False,
                          lower_bound=-5.0, interpret=True)
+    with pytest.raises(ValueError, match=r"^mosaic_gpu_pairs: wants bf16 q, k .* g float16"):
+        intra_pairs_mgpu(ins[:3] + (ins[3].astype(jnp.float16), ins[4]), scale=1.0, fused=False,
+                         lower_bound=-5.0, interpret=True)
     small = tuple(a[..., :32] if a.ndim == 4 else a for a in ins)
-    with pytest.raises(ValueError, match=r"^pairs='mosaic_gpu' needs bf16 q, k, v, g and K a "):
+    with pytest.raises(ValueError, match=r"^pairs='mosaic_gpu' needs bf16 q, k, v, a bf16 or "):
         pallas_chunk_kda(*small, interpret=True, pairs="mosaic_gpu")
     with pytest.raises(ValueError, match=r"^pairs: expected one of \('triton', 'mosaic_gpu'\)"):
         pallas_chunk_kda(*ins, interpret=True, pairs="cuda")
