@@ -221,8 +221,8 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int, g
 
 def intra_pairs_mgpu(ins, *, scale: float, fused: bool, lower_bound: float, interpret: bool):
     """``(L fp32, bk, Qg, Kd, Aqk, gl)`` of every chunk, as ``pallas_intra.intra_pairs``.
-    ``ins``: bf16 q, k, v, g, beta [, gate_scale, dt_bias when ``fused``], T a multiple of 64,
-    K a multiple of 64. ``interpret``: Mosaic GPU's CPU interpreter (tests)."""
+    ``ins``: bf16 q, k (v unused), a bf16 or fp32 gate g, beta [, gate_scale, dt_bias when
+    ``fused``], T a multiple of 64, K a multiple of 64. ``interpret``: Mosaic GPU's CPU interpreter (tests)."""
     q, k, _, g, beta = ins[:5]
     B, Tp, H, K = q.shape
     if q.dtype != _BF16 or k.dtype != _BF16 or g.dtype not in (_BF16, _F32) or Tp % C or K % HALF:

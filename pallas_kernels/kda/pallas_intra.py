@@ -9,8 +9,9 @@
    from the stored ``L``, on one warp.
 3. ``_wu_kernel``: ``W = X bk``, ``U = X (beta v)``.
 
-For bf16 inputs with K a multiple of 64 the Mosaic GPU pair kernel (``mosaic_gpu_pairs.py``, the
-same outputs) replaces the first by default (``default_pairs``, ``pair_matrices``).
+For bf16 q, k, v (the gate bf16 or fp32) with K a multiple of 64 the Mosaic GPU pair kernel
+(``mosaic_gpu_pairs.py``, the same outputs) replaces the first by default (``default_pairs``,
+``pair_matrices``).
 
 The backward, when the forward kept X and Aqk, needs only the gate terms and W, U again:
 ``_saved_parts_kernel`` (``intra_from_inverse``), one kernel without pair products or inverse.

@@ -37,8 +37,9 @@ programs for 132 SMs); the price is one HBM round trip of W, U, Qg, Kd, Aqk (in 
 dtype, like fla's pipeline).
 
 Backends: the intra stage's pair kernel is Mosaic GPU (``mosaic_gpu_pairs.py``: TMA copies and
-wgmma products, the documented GPU direction in jax 0.11) wherever it fits (bf16 q, k, v, g; K a
-multiple of 64; ``pallas_intra.default_pairs``), the Pallas-Triton one otherwise; every other
+wgmma products, the documented GPU direction in jax 0.11) wherever it fits (bf16 q, k, v, a bf16
+or fp32 gate, K a multiple of 64; ``pallas_intra.default_pairs``), the Pallas-Triton one
+otherwise; every other
 kernel is Pallas-Triton (still working on jax 0.11.2, deprecated). Why the mix: the pair kernel
 is where Triton's lack of register slicing cost most (each 16-column block of L and Aqk a masked
 64-column product, 255 registers), and Mosaic GPU's explicit shared-memory tiles and wgmma into
