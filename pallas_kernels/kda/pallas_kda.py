@@ -37,18 +37,17 @@ programs for 132 SMs); the price is one HBM round trip of W, U, Qg, Kd, Aqk (in 
 dtype, like fla's pipeline).
 
 Backends: the intra stage's pair kernel is Mosaic GPU (``mosaic_gpu_pairs.py``: TMA copies and
-wgmma products, the documented GPU direction in jax 0.11) wherever it fits (bf16 q, k, v, a bf16
-or fp32 gate, K a multiple of 64; ``pallas_intra.default_pairs``), the Pallas-Triton one
-otherwise; every other
-kernel is Pallas-Triton (still working on jax 0.11.2, deprecated). Why the mix: the pair kernel
-is where Triton's lack of register slicing cost most (each 16-column block of L and Aqk a masked
-64-column product, 255 registers), and Mosaic GPU's explicit shared-memory tiles and wgmma into
-accumulator column slices fix exactly that (4.84 -> 3.55 ms at B4 T8192 H96). The inverse, the
-W/U products and the chunk loops with a carried fp32 state are written as Triton kernels that
-run unchanged in ``interpret=True`` mode on CPU; they avoid Triton-only primitives (only ref
+wgmma products, the documented GPU direction in jax 0.11) wherever it fits (bf16 q, k, v, a bf16 or
+fp32 gate, K a multiple of 64; ``pallas_intra.default_pairs``), the Pallas-Triton one otherwise;
+every other kernel is Pallas-Triton (still working on jax 0.11.2, deprecated). Why the mix: the
+pair kernel is where Triton's lack of register slicing cost most (each 16-column block of L and Aqk
+a masked 64-column product, 255 registers), and Mosaic GPU's explicit shared-memory tiles and wgmma
+into accumulator column slices fix exactly that (4.84 -> 3.55 ms at B4 T8192 H96). The inverse, the
+W/U products and the chunk loops with a carried fp32 state are written as Triton kernels that run
+unchanged in ``interpret=True`` mode on CPU; they avoid Triton-only primitives (only ref
 loads/stores with ``pl.ds``, ``jnp`` math, ``lax.fori_loop``), so moving them to Mosaic GPU or
-Mosaic TPU is a rewrite of the memory movement, not of the math. Mosaic GPU kernels are tested
-on CPU in Mosaic GPU's interpreter. Triton constraints: K, V and BV must be powers of two >= 16.
+Mosaic TPU is a rewrite of the memory movement, not of the math. Mosaic GPU kernels are tested on
+CPU in Mosaic GPU's interpreter. Triton constraints: K, V and BV must be powers of two >= 16.
 
 Measured on one H200 beside fla-core in the same job (benchmarks/RESULTS.md, ninth run): B4
 T8192 H96 D128 bf16 8.18 ms with the fused activations (fla 9.96 ms), B1 T32768 H16 2.05 ms (fla
