@@ -49,9 +49,9 @@ loads/stores with ``pl.ds``, ``jnp`` math, ``lax.fori_loop``), so moving them to
 Mosaic TPU is a rewrite of the memory movement, not of the math. Mosaic GPU kernels are tested on
 CPU in Mosaic GPU's interpreter. Triton constraints: K, V and BV must be powers of two >= 16.
 
-Measured on one H200 beside fla-core in the same job (benchmarks/RESULTS.md, ninth run): B4
-T8192 H96 D128 bf16 8.18 ms with the fused activations (fla 9.96 ms), B1 T32768 H16 2.05 ms (fla
-2.26 ms); bf16 error vs the fp32 reference equal to fla's. bf16 inputs take the hardware exp2 /
+Measured on one H200 (benchmarks/RESULTS.md, ninth run; fla-core 0.6.0 in a job of the same run):
+B4 T8192 H96 D128 bf16 7.38 ms with the fused activations (fla 9.96 ms), B1 T32768 H16 2.05 ms
+(fla 2.26 ms); bf16 error vs the fp32 reference equal to fla's. bf16 inputs take the hardware exp2 /
 reciprocal (``intra_blocks.gate_exp``); fp32 inputs stay exact. Defaults: ``default_inter`` (the
 inter stage's form, block_v and warps by the number of sequence-heads), ``default_pairs``,
 ``INTRA_WARPS``, ``INVERSE_WARPS`` and ``PIPELINE_STAGES``, the fastest measured.
@@ -198,7 +198,7 @@ def _pallas_chunk_kda(
 
 INVERSE_WARPS = 1  # the intra stage's inverse kernel (16x16 blocks): one warp, fastest of 1, 2, 4
 INTRA_WARPS = 8  # the intra stage's pair and W/U kernels: at 4 the pair kernel spills
-FEW_SEQUENCE_HEADS = 128  # below this many (sequence, head) pairs, favour parallelism
+FEW_SEQUENCE_HEADS = 32  # below this many (sequence, head) pairs, favour parallelism
 # Triton pipeline stages: the inter stage's chunk loops prefetch the next chunk's W, U, Qg, Kd,
 # Aqk while the state update runs (B1 T32768 H16, block_v 64: 3.14 vs 3.22 ms; the same 9.43 ms
 # at B4 T8192 H96, benchmarks/RESULTS.md). 3 stages exceed the shared memory.
@@ -207,20 +207,20 @@ PIPELINE_STAGES = 2
 
 def default_inter(sequence_heads: int) -> tuple[str, int, int]:
     """``(inter, block_v, num_warps)`` of the inter stage, the fastest measured on an H200
-    (benchmarks/RESULTS.md, seventh run, fla in the same job).
+    (benchmarks/RESULTS.md, ninth run, with the Mosaic GPU pair kernel).
 
-    The inter stage has one program per (sequence, head, V block), each walking all chunks. With
-    many sequence-heads (B4 T8192 H96: 384) the fused kernel on whole 128-wide blocks fills the
-    GPU: 9.42-9.43 ms against 10.88 for the two-pass stage at block_v 32 and 4 warps. With few,
-    parallelism is what counts: the two-pass stage (a lighter serial loop, o formed afterwards
-    for all chunks at once) at block_v 16 and 4 warps took 2.23-2.28 ms at B1 T32768 H16 (16
-    sequence-heads; fused at block_v 32: 2.59, fla 2.24) and 2.65-2.68 ms at B1 T8192 H96 (96;
-    fused at 128: 2.68-2.70 in the same three jobs, at 32: 3.08). The threshold lies between 96
-    and 384 and is not itself measured.
+    The inter stage has one program per (sequence, head, V block), each walking all chunks. The
+    fused kernel at block_v 64 and 4 warps (two programs per SM) took 7.38 ms at B4 T8192 H96
+    (384 sequence-heads; at 128 and 8 warps 8.17, at 64 and 8 warps 8.58) and 2.02 ms at B1
+    T8192 H96 (96; the two-pass stage 2.31). With very few, parallelism is what counts: the
+    two-pass stage (a lighter serial loop, o formed afterwards for all chunks at once) at
+    block_v 16 and 4 warps took 2.05 ms at B1 T32768 H16 (16 sequence-heads; fused at 64 and 4
+    warps 2.07, in another job). The threshold lies between 16 and 96 and is not itself
+    measured.
     """
     if sequence_heads < FEW_SEQUENCE_HEADS:
         return "two_pass", 16, 4
-    return "fused", 128, 8
+    return "fused", 64, 4
 
 
 def _default_interpret() -> bool:

@@ -47,7 +47,7 @@ from pallas_kernels.kda.pallas_intra import (
     chunk_inverses, default_pairs, intra_from_inverse, pair_matrices,
 )
 from pallas_kernels.kda.pallas_kda import (
-    FEW_SEQUENCE_HEADS, INVERSE_WARPS, PIPELINE_STAGES, compiler_params, matmul_dtypes,
+    INVERSE_WARPS, PIPELINE_STAGES, compiler_params, matmul_dtypes,
 )
 from pallas_kernels.kda.pallas_states import dstates_kernel, state_pass
 from pallas_kernels.kda.reference import host_offsets
@@ -172,6 +172,9 @@ def _bwd(q, k, v, g, beta, h0, do, dht, chunk_offsets, intra, *, scale, block_v,
     return (*out, ds0)
 
 
+FEW_SEQUENCE_HEADS_STATES = 128  # below this many (sequence, head) pairs, narrow state blocks
+
+
 def default_states(sequence_heads: int) -> tuple[int, int]:
     """``(block_v, num_warps)`` of the two state recurrences. One program per (sequence, head,
     V block) walks all chunks, so with few sequence-heads narrow blocks buy parallelism: at B1
@@ -179,7 +182,7 @@ def default_states(sequence_heads: int) -> tuple[int, int]:
     1.42 at 16 and 8 warps and 1.03 + 1.34 at 32 and 4. With many, whole 128-wide blocks at 8
     warps: at B4 T8192 H96 1.98 + 2.34 ms against 2.77 + 3.27 at 64 (benchmarks/RESULTS.md,
     seventh run)."""
-    return (16, 4) if sequence_heads < FEW_SEQUENCE_HEADS else (128, 8)
+    return (16, 4) if sequence_heads < FEW_SEQUENCE_HEADS_STATES else (128, 8)
 
 
 def pallas_chunk_kda_bwd(

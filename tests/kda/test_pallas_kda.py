@@ -14,7 +14,7 @@ import pytest
 from pallas_kernels.kda import chunk_kda, naive_recurrent_kda
 from pallas_kernels.kda.intra_blocks import unit_lower_inverse
 from pallas_kernels.kda.pallas_kda import (
-    default_inter, pallas_chunk_kda, pallas_chunk_kda_fused_gate,
+    FEW_SEQUENCE_HEADS, default_inter, pallas_chunk_kda, pallas_chunk_kda_fused_gate,
 )
 from pallas_kernels.kda.reference import chunked_kda
 from tests.h200_lowering import lowered_for_h200
@@ -130,7 +130,7 @@ def test_two_pass_inter_stage_equals_fused(dtype) -> None:
 
 
 @pytest.mark.parametrize("heads, kernels", [(2, ("kda_states", "kda_output")),
-                                            (128, ("kda_inter_state",))])
+                                            (FEW_SEQUENCE_HEADS, ("kda_inter_state",))])
 def test_default_inter_stage_by_sequence_heads(heads: int, kernels: tuple[str, ...]) -> None:
     """Without ``inter``, few (sequence, head) pairs take the two-pass stage and many the fused
     kernel (``default_inter``), with their block_v and warps: checked on the Triton IR lowered
@@ -143,7 +143,8 @@ def test_default_inter_stage_by_sequence_heads(heads: int, kernels: tuple[str, .
     fn = lambda *a: pallas_chunk_kda(*a, interpret=False)  # noqa: E731
     text = lowered_for_h200(fn, *args)
     inter, block_v, warps = default_inter(heads)
-    assert (inter, block_v, warps) == (("two_pass", 16, 4) if heads < 128 else ("fused", 128, 8))
+    assert (inter, block_v, warps) == (("two_pass", 16, 4) if heads < FEW_SEQUENCE_HEADS
+                                       else ("fused", 64, 4))
     assert text.count("stablehlo.custom_call @__gpu") == 3 + len(kernels)
     lines = {name: next(x for x in text.splitlines() if f'name = "{name}"' in x) for name in kernels}
     assert all(f"num_warps = {warps} " in line for line in lines.values())
