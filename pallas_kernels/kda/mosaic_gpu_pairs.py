@@ -1,13 +1,13 @@
 """The KDA intra stage's pair kernel in Mosaic GPU (Hopper: TMA copies, wgmma products).
 
 Same outputs as ``pallas_intra.intra_pairs`` (``L`` fp32, ``bk``, ``Qg``, ``Kd``, ``Aqk``, ``gl``),
-from bf16 q, k and a bf16 or fp32 gate, one chunk of one head per warpgroup (grid ``(N, H, B)``). Why a second backend
-for this one kernel: in the Pallas-Triton form it took half the forward (4.84 of 9.48 ms at B4
-T8192 H96) because Triton cannot slice register tiles, so each 16-column block of ``L`` and
-``Aqk`` is a masked ``[64, K] x [K, 64]`` product (4x the tensor-core work) at 255 registers. Here
-each block is its own ``[64, K] x [K, 16]`` wgmma into a column slice of one accumulator, and the
-operands go through shared memory explicitly: 3.55 ms, the forward 8.18 ms, 7.38 with the inter
-stage's new tiles (benchmarks/RESULTS.md, ninth run).
+from bf16 q, k and a bf16 or fp32 gate, one chunk of one head per warpgroup (grid ``(N, H, B)``).
+Why a second backend for this one kernel: in the Pallas-Triton form it took half the forward (4.84
+of 9.48 ms at B4 T8192 H96) because Triton cannot slice register tiles, so each 16-column block of
+``L`` and ``Aqk`` is a masked ``[64, K] x [K, 64]`` product (4x the tensor-core work) at 255
+registers. Here each block is its own ``[64, K] x [K, 16]`` wgmma into a column slice of one
+accumulator, and the operands go through shared memory explicitly: 3.55 ms, the forward 8.18 ms,
+7.38 with the inter stage's new tiles (benchmarks/RESULTS.md, ninth run).
 
 Work per chunk (``G`` in units of ln 2 and ``exp2``; kda.md 2.1 / 2.4, ``chunk_math``'s midpoint
 factorisation with the column block's midpoint ``m_j``):
@@ -210,7 +210,7 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int, g
     beta_c = lax.broadcast_in_dim(plgpu.load(beta_s, layout=_ROWS), (C, C), [0])
     if fused:
         beta_c = _sigmoid(beta_c)
-    plgpu.commit_smem()  # every row load of gp is done
+    plgpu.commit_smem()  # every row load of gp is done (as measured; the last half's also is one)
     gp[...] = jnp.where(ri_c > ci_c, beta_c * p_kk, 0.0)
     tx[0] = jnp.where(ri_c >= ci_c, p_qk, 0.0).astype(_BF16)
     plgpu.commit_smem()
@@ -222,7 +222,8 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int, g
 def intra_pairs_mgpu(ins, *, scale: float, fused: bool, lower_bound: float, interpret: bool):
     """``(L fp32, bk, Qg, Kd, Aqk, gl)`` of every chunk, as ``pallas_intra.intra_pairs``.
     ``ins``: bf16 q, k (v unused), a bf16 or fp32 gate g, beta [, gate_scale, dt_bias when
-    ``fused``], T a multiple of 64, K a multiple of 64. ``interpret``: Mosaic GPU's CPU interpreter (tests)."""
+    ``fused``], T a multiple of 64, K a multiple of 64. ``interpret``: Mosaic GPU's CPU
+    interpreter (tests)."""
     q, k, _, g, beta = ins[:5]
     B, Tp, H, K = q.shape
     if q.dtype != _BF16 or k.dtype != _BF16 or g.dtype not in (_BF16, _F32) or Tp % C or K % HALF:
