@@ -210,7 +210,7 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int, g
     beta_c = lax.broadcast_in_dim(plgpu.load(beta_s, layout=_ROWS), (C, C), [0])
     if fused:
         beta_c = _sigmoid(beta_c)
-    plgpu.commit_smem()  # every row load of gp is done (as measured; the last half's also is one)
+    plgpu.commit_smem()  # every row load of gp is done
     gp[...] = jnp.where(ri_c > ci_c, beta_c * p_kk, 0.0)
     tx[0] = jnp.where(ri_c >= ci_c, p_qk, 0.0).astype(_BF16)
     plgpu.commit_smem()
