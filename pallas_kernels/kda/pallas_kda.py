@@ -210,7 +210,7 @@ def default_inter(sequence_heads: int) -> tuple[str, int, int]:
     (benchmarks/RESULTS.md, ninth run, with the Mosaic GPU pair kernel).
 
     The inter stage has one program per (sequence, head, V block), each walking all chunks. The
-    fused kernel at block_v 64 and 4 warps (two programs per SM) took 7.38 ms at B4 T8192 H96
+    fused kernel at block_v 64 and 4 warps (225 registers, no spills) took 7.38 ms at B4 T8192 H96
     (384 sequence-heads; at 128 and 8 warps 8.17, at 64 and 8 warps 8.58) and 2.02 ms at B1
     T8192 H96 (96; the two-pass stage 2.31). With very few, parallelism is what counts: the
     two-pass stage (a lighter serial loop, o formed afterwards for all chunks at once) at
