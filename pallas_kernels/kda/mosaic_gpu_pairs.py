@@ -48,7 +48,7 @@ from pallas_kernels.kda.chunk_math import BC, C, CLAMP, MID, NC
 from pallas_kernels.kda.intra_blocks import pair_output_types
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
-HALF = 64  # channels per bf16 128-byte swizzle tile
+HALF = C  # channels per bf16 128-byte swizzle tile (64), also the chunk's pair-matrix width
 LOG2E = 1.4426950408889634
 _WG = plgpu.Layout.WGMMA
 _ROWS, _COLS = _WG.reduce(1), _WG.reduce(0)  # [64] per row / per column of a WGMMA array
@@ -187,13 +187,13 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int, g
                 plgpu.wgmma(acc_a.at[:, cols], ops.at[1], kc)
 
             # 4. this half's gate terms, staged in its own input buffers and stored by TMA
-            g_last = row(C - 1)
+            g_last = plgpu.load(gp.at[C - 1], layout=_COLS)
             eg = jnp.exp2(G)
             plgpu.wgmma_wait(0)  # the products have read kc
-            tg[hh] = (k * jnp.exp2(g_last - G)).astype(_BF16)  # Kd
+            tg[hh] = (k * jnp.exp2(_cols(g_last) - G)).astype(_BF16)  # Kd
             tk[hh] = (beta * k * eg).astype(_BF16)  # bk
             tq[hh] = (_tile(tq.at[hh]) * rq * eg).astype(_BF16)  # Qg
-            gl_s[hh] = jnp.exp2(plgpu.load(gp.at[C - 1], layout=_COLS))
+            gl_s[hh] = jnp.exp2(g_last)
             plgpu.commit_smem()
             cs = halves[hh]
             plgpu.copy_smem_to_gmem(tg.at[hh], kd_ref.at[b, ts, h, cs])
@@ -204,19 +204,22 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int, g
 
     p_kk, p_qk = pl.run_scoped(products, plgpu.ACC((C, C), _F32), plgpu.ACC((C, C), _F32))
 
-    # 5. the masked pair matrices, staged in freed buffers and stored by TMA
-    ri_c = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=_WG)
-    ci_c = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_WG)
-    beta_c = lax.broadcast_in_dim(plgpu.load(beta_s, layout=_ROWS), (C, C), [0])
-    if fused:
-        beta_c = _sigmoid(beta_c)
+    # 5. the masked pair matrices, staged in freed buffers and stored by TMA ([C, C] is [C, HALF]:
+    # the half tiles' iotas and beta serve)
     plgpu.commit_smem()  # every row load of gp is done
-    gp[...] = jnp.where(ri_c > ci_c, beta_c * p_kk, 0.0)
-    tx[0] = jnp.where(ri_c >= ci_c, p_qk, 0.0).astype(_BF16)
+    gp[...] = jnp.where(ri > ci, beta * p_kk, 0.0)
+    tx[0] = jnp.where(ri >= ci, p_qk, 0.0).astype(_BF16)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(gp, l_ref.at[b, ts, h])
     plgpu.copy_smem_to_gmem(tx.at[0], a_ref.at[b, ts, h])
     plgpu.wait_smem_to_gmem(0)
+
+
+def takes(q: jax.Array, k: jax.Array, g: jax.Array) -> bool:
+    """Whether the kernel takes these inputs once T is padded to whole chunks: bf16 q, k (its
+    operand tiles are bf16), a bf16 or fp32 gate, K a multiple of the swizzle tile."""
+    return (q.dtype == _BF16 and k.dtype == _BF16 and g.dtype in (_BF16, _F32)
+            and q.shape[-1] % HALF == 0)
 
 
 def intra_pairs_mgpu(ins, *, scale: float, fused: bool, lower_bound: float, interpret: bool):
@@ -226,7 +229,7 @@ def intra_pairs_mgpu(ins, *, scale: float, fused: bool, lower_bound: float, inte
     interpreter (tests)."""
     q, k, _, g, beta = ins[:5]
     B, Tp, H, K = q.shape
-    if q.dtype != _BF16 or k.dtype != _BF16 or g.dtype not in (_BF16, _F32) or Tp % C or K % HALF:
+    if not takes(q, k, g) or Tp % C:
         raise ValueError(f"mosaic_gpu_pairs: wants bf16 q, k [B, T, H, K] and a bf16 or fp32 g, "
                          f"T % {C} == 0 and K % {HALF} == 0, got q {q.dtype} {q.shape}, k "
                          f"{k.dtype}, g {g.dtype}")

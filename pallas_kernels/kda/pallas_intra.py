@@ -41,7 +41,7 @@ from pallas_kernels.kda.intra_blocks import (
     activations, approx_math, beta_activation, gate_exp, matmul_dtypes, pair_output_types,
     store_row, unit_lower_inverse,
 )
-from pallas_kernels.kda.mosaic_gpu_pairs import intra_pairs_mgpu
+from pallas_kernels.kda import mosaic_gpu_pairs
 
 _F32 = jnp.float32
 
@@ -132,11 +132,11 @@ PAIR_KERNELS = ("triton", "mosaic_gpu")
 
 
 def mosaic_gpu_pairs_fit(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array) -> bool:
-    """Whether ``mosaic_gpu_pairs`` takes these inputs: bf16 q, k, v (its operand tiles and
-    stores are bf16), a bf16 or fp32 gate (fp32 kept exact: rounded to bf16 it would move a
-    chunk's decays by up to ``|G| 2^-9``), and whole 64-channel swizzle tiles."""
-    return (all(x.dtype == jnp.bfloat16 for x in (q, k, v))
-            and g.dtype in (jnp.bfloat16, jnp.float32) and q.shape[-1] % 64 == 0)
+    """Whether the forward can take ``mosaic_gpu_pairs``: its inputs (``takes``: bf16 q, k, a bf16
+    or fp32 gate, whole 64-channel swizzle tiles; an fp32 gate stays exact, rounded to bf16 it
+    would move a chunk's decays by up to ``|G| 2^-9``) and bf16 v, since its outputs are bf16
+    where the rest of the stage stores intermediates in v's dtype."""
+    return v.dtype == jnp.bfloat16 and mosaic_gpu_pairs.takes(q, k, g)
 
 
 def default_pairs(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array) -> str:
@@ -150,8 +150,8 @@ def pair_matrices(ins, *, scale, fused, lower_bound, interpret, params, pairs):
     """``(L fp32, bk, Qg, Kd, Aqk, gl)`` of every chunk from the named pair kernel
     (``PAIR_KERNELS``; ``params``: the Triton one's launch parameters)."""
     if pairs == "mosaic_gpu":
-        return intra_pairs_mgpu(ins, scale=scale, fused=fused, lower_bound=lower_bound,
-                                interpret=interpret)
+        return mosaic_gpu_pairs.intra_pairs_mgpu(ins, scale=scale, fused=fused,
+                                                 lower_bound=lower_bound, interpret=interpret)
     return intra_pairs(ins, scale=scale, fused=fused, lower_bound=lower_bound,
                        interpret=interpret, params=params)
 

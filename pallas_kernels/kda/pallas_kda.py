@@ -264,7 +264,8 @@ def pallas_chunk_kda(
     intermediates' dtype) for ``pallas_chunk_kda_bwd(..., intra=...)``, which then skips the
     intra stage's pair products and inverse: the residuals fla's backward keeps too.
     ``pairs``: the intra stage's pair kernel, ``"triton"`` or ``"mosaic_gpu"``
-    (``mosaic_gpu_pairs.py``: bf16, K a multiple of 64); default ``default_pairs``.
+    (``mosaic_gpu_pairs.py``: bf16 q, k, v, a bf16 or fp32 gate, K a multiple of 64); default
+    ``default_pairs``.
     """
     return _call(q, k, v, g, beta, None, None, scale, initial_state, interpret, False, 0.0,
                  cu_seqlens, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
