@@ -33,6 +33,8 @@ OUT = os.environ.get("OUT", ".")
 # (B, T, H), D = 128: the two targets' shapes, then K3's batch-1 prefill (96 sequence-heads,
 # between the other two and above `default_inter`'s threshold)
 SHAPES = [(4, 8192, 96), (1, 32768, 16), (1, 8192, 96)]
+if os.environ.get("KDA_SHAPES"):  # "B,T,H;..." replaces the list for one run
+    SHAPES = [tuple(int(x) for x in item.split(",")) for item in os.environ["KDA_SHAPES"].split(";")]
 CHECK = (1, 2048, 8)  # numerics case shared by both halves
 LB = -5.0
 D = 128
@@ -49,6 +51,9 @@ if os.environ.get("KDA_CONFIGS"):
 # the intra stage's pair kernels timed in each config (`pallas_kda.PAIR_KERNELS`);
 # KDA_PAIRS="triton" for one
 PAIRS = os.environ.get("KDA_PAIRS", "triton,mosaic_gpu").split(",")
+# where the fused inter stage gets W and U, timed in each config (`pallas_kda.WU_PLACES`);
+# KDA_WU="loop" for one
+WU_PLACES = os.environ.get("KDA_WU", "kernel,loop").split(",")
 # fla's autotune results: a folder or .tar.gz (torch_peer.keep_autotuning), by default the
 # repository's (torch_peer.TUNED_ARCHIVE; FLA_AUTOTUNE= for none); those in use come back as
 # $OUT/fla_autotune.tar.gz.
@@ -170,12 +175,12 @@ def run_jax():
         o.block_until_ready()
         num = {"first_call_s": round(time.time() - t, 1),
                "ours_bf16_vs_ref_o": rel(o, ref_o), "ours_bf16_vs_ref_ht": rel(h, ref_h)}
-        for pairs in PAIRS:
+        for pairs, wu in itertools.product(PAIRS, WU_PLACES):
             op, hp = pallas_chunk_kda_fused_gate(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"],
                                                  j["A_log"], j["dt_bias"], lower_bound=LB,
-                                                 initial_state=j["h0"], pairs=pairs)
-            num[f"ours_bf16_{pairs}_pairs_vs_ref_o"] = rel(op, ref_o)
-            num[f"ours_bf16_{pairs}_pairs_vs_ref_ht"] = rel(hp, ref_h)
+                                                 initial_state=j["h0"], pairs=pairs, wu=wu)
+            num[f"ours_bf16_{pairs}_pairs_wu_{wu}_vs_ref_o"] = rel(op, ref_o)
+            num[f"ours_bf16_{pairs}_pairs_wu_{wu}_vs_ref_ht"] = rel(hp, ref_h)
         o32, h32 = pallas_chunk_kda(qa, ka, bf["v"].astype(jnp.float32), ga, ba,
                                     initial_state=j["h0"])
         num["ours_fp32_vs_ref_o"] = rel(o32, ref_o)
@@ -199,18 +204,19 @@ def run_jax():
         args = timing_inputs(B, T, H)
         name = f"B{B}_T{T}_H{H}"
         r = {}
-        for (bv, nw, ns, iw, two_pass), pairs in itertools.product(CONFIGS, PAIRS):
+        for (bv, nw, ns, iw, two_pass), pairs, wu in itertools.product(CONFIGS, PAIRS,
+                                                                            WU_PLACES):
             tag = (f"ours_fused_bv{bv}_w{nw}_s{ns}_inv{iw}" + ("_two_pass" if two_pass else "")
-                   + f"_{pairs}_pairs")
+                   + f"_{pairs}_pairs_wu_{wu}")
             inter = "two_pass" if two_pass else "fused"
             try:
                 f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, iw=iw, inter=inter,
-                            pairs=pairs:
+                            pairs=pairs, wu=wu:
                             pallas_chunk_kda_fused_gate(q, k, v, g, b, a, d, lower_bound=LB,
                                                         block_v=bv, num_warps=nw, num_stages=ns,
                                                         intra_warps=INTRA_WARPS,
                                                         inverse_warps=iw, inter=inter,
-                                                        pairs=pairs))
+                                                        pairs=pairs, wu=wu))
                 ms = bench(f, args)
                 r[f"{tag}_ms"] = round(ms, 4)
             except Exception as e:

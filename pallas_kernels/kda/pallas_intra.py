@@ -208,17 +208,20 @@ def intra_wu(x, bk, v, beta, *, fused, interpret, params):
     )(x, bk, v, beta)
 
 
-def intra_stage(ins, *, scale, fused, lower_bound, interpret, params, inverse_params, pairs):
-    """``(X, W, U, Qg, Kd, Aqk, gl)`` of every chunk, ``X = (I + L)^{-1}`` (the backward reuses
-    it). ``ins``: q, k, v, g, beta [, gate_scale, dt_bias when ``fused``]; ``inverse_params``:
-    launch parameters of the inverse kernel (it wants fewer warps than the others); ``pairs``:
-    the pair kernel (``pair_matrices``)."""
+def intra_stage(ins, *, scale, fused, lower_bound, interpret, params, inverse_params, pairs,
+                with_wu=True):
+    """``(X, bk, W, U, Qg, Kd, Aqk, gl)`` of every chunk, ``X = (I + L)^{-1}`` (the backward
+    reuses it); W and U None without ``with_wu`` (the fused inter kernel can form them itself).
+    ``ins``: q, k, v, g, beta [, gate_scale, dt_bias when ``fused``]; ``inverse_params``: launch
+    parameters of the inverse kernel (it wants fewer warps than the others); ``pairs``: the pair
+    kernel (``pair_matrices``)."""
     v, beta = ins[2], ins[4]
     L, bk, qg, kd, aqk, gl = pair_matrices(ins, scale=scale, fused=fused, lower_bound=lower_bound,
                                            interpret=interpret, params=params, pairs=pairs)
     x = chunk_inverses(L, qg.dtype, interpret=interpret, params=inverse_params)
-    w, u = intra_wu(x, bk, v, beta, fused=fused, interpret=interpret, params=params)
-    return x, w, u, qg, kd, aqk, gl
+    w, u = (intra_wu(x, bk, v, beta, fused=fused, interpret=interpret, params=params)
+            if with_wu else (None, None))
+    return x, bk, w, u, qg, kd, aqk, gl
 
 
 def intra_from_inverse(x, ins, *, scale, interpret, params):

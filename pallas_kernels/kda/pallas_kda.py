@@ -74,7 +74,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.chunk_math import dot as _dot
-from pallas_kernels.kda.intra_blocks import compiler_params, matmul_dtypes
+from pallas_kernels.kda.intra_blocks import beta_activation, compiler_params, matmul_dtypes
 from pallas_kernels.kda.pallas_intra import (
     PAIR_KERNELS, default_pairs, intra_stage, mosaic_gpu_pairs_fit,
 )
@@ -86,24 +86,35 @@ _F32 = jnp.float32
 LOWER_BOUND_MIN = -5.0
 
 
-def _inter_kernel(*refs, n_chunks, bv, mm_dtype, varlen):
+def _inter_kernel(*refs, n_chunks, bv, mm_dtype, varlen, wu_in_loop, fused):
     """Program (s, h, iv) runs the chunks of sequence s (``pallas_states.sequence_chunks``), so
     with ``varlen`` sequence s starts from its own initial state and never sees another
-    sequence's chunks."""
+    sequence's chunks. With ``wu_in_loop`` it reads ``X``, ``bk``, v and beta (logits when
+    ``fused``) instead of W and U, and forms ``v_new = X (beta v - bk S)``, which equals
+    ``U - W S`` (``W = X bk``, ``U = X beta v``): one more product in the serial loop for no
+    W/U kernel and its HBM round trip."""
     refs, s, b, c_begin, c_end = sequence_chunks(refs, n_chunks, varlen)
-    w_ref, u_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o_ref, ht_ref = refs
+    if wu_in_loop:
+        x_ref, bk_ref, v_ref, beta_ref, *refs = refs
+        beta_of = beta_activation(fused)
+    else:
+        w_ref, u_ref, *refs = refs
+    qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o_ref, ht_ref = refs
     h, iv = pl.program_id(1), pl.program_id(2)
     vs = pl.ds(iv * bv, bv)
 
     def body(c, S):
         ts = pl.ds(c * C, C)
-        w = w_ref[b, ts, h, :]
-        u = u_ref[b, ts, h, vs].astype(_F32)
         qg = qg_ref[b, ts, h, :]
         kd = kd_ref[b, ts, h, :]
         a = a_ref[b, ts, h, :]
         gl = gl_ref[b, c, h, :]
-        v_new = u - _dot(w, S, mm_dtype)
+        if wu_in_loop:
+            bv_ = beta_of(beta_ref[b, ts, h])[:, None] * v_ref[b, ts, h, vs].astype(_F32)
+            v_new = _dot(x_ref[b, ts, h, :], bv_ - _dot(bk_ref[b, ts, h, :], S, mm_dtype),
+                         mm_dtype)
+        else:
+            v_new = u_ref[b, ts, h, vs].astype(_F32) - _dot(w_ref[b, ts, h, :], S, mm_dtype)
         o = _dot(qg, S, mm_dtype) + _dot(a, v_new, mm_dtype)
         o_ref[b, ts, h, vs] = o.astype(o_ref.dtype)
         return gl[:, None] * S + _dot(kd, v_new, mm_dtype, trans_a=True)
@@ -152,13 +163,13 @@ def _is_pow2(n: int) -> bool:
     jax.jit,
     static_argnames=(
         "scale", "interpret", "fused", "lower_bound", "block_v", "num_warps", "num_stages",
-        "intra_warps", "inverse_warps", "inter", "keep_intra", "pairs",
+        "intra_warps", "inverse_warps", "inter", "keep_intra", "pairs", "wu",
     ),
 )
 def _pallas_chunk_kda(
     q, k, v, g, beta, initial_state, gate_scale, dt_bias, chunk_offsets=None, *, scale,
     interpret, fused, lower_bound, block_v, num_warps, num_stages, intra_warps, inverse_warps,
-    inter, keep_intra, pairs,
+    inter, keep_intra, pairs, wu,
 ):
     """``chunk_offsets`` (int32 [N + 1], traced) marks a chunk-aligned packed batch (B == 1).
     Returns ``(o, final state)``, with ``keep_intra`` also ``(X, Aqk)`` (see ``pallas_chunk_kda``)."""
@@ -170,10 +181,12 @@ def _pallas_chunk_kda(
     params = compiler_params(interpret, num_warps, num_stages)
 
     ins = (q, k, v, g, beta) + ((gate_scale, dt_bias) if fused else ())
-    x, w, u, qg, kd, aqk, gl = intra_stage(
+    wu_in_loop = wu == "loop" and inter == "fused"
+    x, bk, w, u, qg, kd, aqk, gl = intra_stage(
         ins, scale=scale, fused=fused, lower_bound=lower_bound, interpret=interpret,
         params=compiler_params(interpret, intra_warps, num_stages),
         inverse_params=compiler_params(interpret, inverse_warps, num_stages), pairs=pairs,
+        with_wu=not wu_in_loop,
     )
 
     kept = ((x, aqk),) if keep_intra else ()
@@ -183,7 +196,8 @@ def _pallas_chunk_kda(
     varlen = chunk_offsets is not None
     n_seq = initial_state.shape[0]
     o, ht = pl.pallas_call(
-        functools.partial(_inter_kernel, n_chunks=n, bv=bv, mm_dtype=mm_dtype, varlen=varlen),
+        functools.partial(_inter_kernel, n_chunks=n, bv=bv, mm_dtype=mm_dtype, varlen=varlen,
+                          wu_in_loop=wu_in_loop, fused=fused),
         grid=(n_seq, H, V // bv),
         out_shape=(
             jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype),
@@ -192,35 +206,42 @@ def _pallas_chunk_kda(
         interpret=interpret,
         name="kda_inter_state_varlen" if varlen else "kda_inter_state",
         **params,
-    )(*((chunk_offsets,) if varlen else ()), w, u, qg, kd, aqk, gl, initial_state)
+    )(*((chunk_offsets,) if varlen else ()), *((x, bk, v, beta) if wu_in_loop else (w, u)),
+      qg, kd, aqk, gl, initial_state)
     return (o, ht) + kept
 
 
 INVERSE_WARPS = 1  # the intra stage's inverse kernel (16x16 blocks): one warp, fastest of 1, 2, 4
 INTRA_WARPS = 8  # the intra stage's pair and W/U kernels: at 4 the pair kernel spills
 FEW_SEQUENCE_HEADS = 32  # below this many (sequence, head) pairs, favour parallelism
-# Triton pipeline stages: the inter stage's chunk loops prefetch the next chunk's W, U, Qg, Kd,
-# Aqk while the state update runs (B1 T32768 H16, block_v 64: 3.14 vs 3.22 ms; the same 9.43 ms
-# at B4 T8192 H96, benchmarks/RESULTS.md). 3 stages exceed the shared memory.
+# Triton pipeline stages of the two-pass inter stage (and the backward): its chunk loop prefetches
+# the next chunk's W, U, Kd while the state update runs (B1 T32768 H16, block_v 64: 3.14 vs
+# 3.22 ms, benchmarks/RESULTS.md). 3 stages exceed the shared memory. The fused inter stage takes
+# one (``default_inter``).
 PIPELINE_STAGES = 2
+# Where the fused inter stage gets W and U (``WU_PLACES``): in its own loop, ``v_new = X (beta v
+# - bk S)``, one more product on the serial path for no W/U kernel (B4 T8192 H96 6.99 vs 7.66 ms
+# at one pipeline stage, benchmarks/RESULTS.md, tenth run).
+WU = "loop"
 
 
-def default_inter(sequence_heads: int) -> tuple[str, int, int]:
-    """``(inter, block_v, num_warps)`` of the inter stage, the fastest measured on an H200
-    (benchmarks/RESULTS.md, ninth run, with the Mosaic GPU pair kernel).
+def default_inter(sequence_heads: int) -> tuple[str, int, int, int]:
+    """``(inter, block_v, num_warps, num_stages)`` of the inter stage, the fastest measured on an
+    H200 (benchmarks/RESULTS.md, ninth and tenth runs, with the Mosaic GPU pair kernel).
 
     The inter stage has one program per (sequence, head, V block), each walking all chunks. The
-    fused kernel at block_v 64 and 4 warps (225 registers, no spills) took 7.38 ms at B4 T8192 H96
-    (384 sequence-heads; at 128 and 8 warps 8.17, at 64 and 8 warps 8.58) and 2.02 ms at B1
-    T8192 H96 (96; the two-pass stage 2.31). With very few, parallelism is what counts: the
+    fused kernel at block_v 64, 4 warps and one pipeline stage, forming W and U in its loop
+    (``WU``), took 6.99 ms at B4 T8192 H96 (384 sequence-heads; two stages 7.60, with the W/U
+    kernel 7.38 / 7.66; block_v 32 9.68-10.30) and 1.89 ms at B1 T8192 H96 (96; two stages 2.03,
+    the two-pass stage 2.31 in the ninth run). With very few, parallelism is what counts: the
     two-pass stage (a lighter serial loop, o formed afterwards for all chunks at once) at
-    block_v 16 and 4 warps took 2.05 ms at B1 T32768 H16 (16 sequence-heads; fused at 64 and 4
-    warps 2.07, in another job). The threshold lies between 16 and 96 and is not itself
+    block_v 16 and 4 warps took 2.01-2.05 ms at B1 T32768 H16 (16 sequence-heads; fused at 64 and 4
+    warps 2.04-2.07 with the W/U kernel). The threshold lies between 16 and 96 and is not itself
     measured.
     """
     if sequence_heads < FEW_SEQUENCE_HEADS:
-        return "two_pass", 16, 4
-    return "fused", 64, 4
+        return "two_pass", 16, 4, PIPELINE_STAGES
+    return "fused", 64, 4, 1
 
 
 def _default_interpret() -> bool:
@@ -240,12 +261,13 @@ def pallas_chunk_kda(
     interpret: bool | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = PIPELINE_STAGES,
+    num_stages: int | None = None,
     intra_warps: int = INTRA_WARPS,
     inverse_warps: int = INVERSE_WARPS,
     inter: str | None = None,
     return_intra: bool = False,
     pairs: str | None = None,
+    wu: str = WU,
 ) -> tuple[jax.Array, ...]:
     """Chunked KDA forward (safe gate, pre-activated inputs; fla conventions).
 
@@ -256,8 +278,9 @@ def pallas_chunk_kda(
     and the final state are [N, H, K, V] and no state crosses a sequence boundary.
     ``inter``: ``"fused"``, one sequential kernel that also forms o, or ``"two_pass"``, the state
     recurrence alone with every chunk's state stored, then o for all chunks in parallel
-    (``_inter_two_pass``); ``block_v`` and ``num_warps`` are the inter stage's. The three default
-    to ``default_inter`` for the call's number of (sequence, head) pairs. ``intra_warps``:
+    (``_inter_two_pass``); ``block_v`` and ``num_warps`` are the inter stage's, ``num_stages``
+    every kernel's Triton pipeline stages. The four default to ``default_inter`` for the call's
+    number of (sequence, head) pairs. ``intra_warps``:
     num_warps of the intra stage's pair and W/U kernels; ``inverse_warps``: of its 16x16-block
     inverse kernel. ``return_intra``: also return every chunk's ``(X, Aqk)`` [B, Tp, H, 64]
     (``X = (I + L)^{-1}``, in the kernel's padded or chunk-aligned token layout and the
@@ -265,12 +288,14 @@ def pallas_chunk_kda(
     intra stage's pair products and inverse: the residuals fla's backward keeps too.
     ``pairs``: the intra stage's pair kernel, ``"triton"`` or ``"mosaic_gpu"``
     (``mosaic_gpu_pairs.py``: bf16 q, k, v, a bf16 or fp32 gate, K a multiple of 64); default
-    ``default_pairs``.
+    ``default_pairs``. ``wu``: where the fused inter stage gets ``W = X bk`` and
+    ``U = X (beta v)``: from the intra stage's W/U kernel (``"kernel"``) or formed in its own
+    loop (``"loop"``, ``v_new = X (beta v - bk S)``); the two-pass stage always takes the kernel.
     """
     return _call(q, k, v, g, beta, None, None, scale, initial_state, interpret, False, 0.0,
                  cu_seqlens, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
                  intra_warps=intra_warps, inverse_warps=inverse_warps, inter=inter,
-                 keep_intra=return_intra, pairs=pairs)
+                 keep_intra=return_intra, pairs=pairs, wu=wu)
 
 
 def pallas_chunk_kda_fused_gate(
@@ -289,11 +314,12 @@ def pallas_chunk_kda_fused_gate(
     interpret: bool | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = PIPELINE_STAGES,
+    num_stages: int | None = None,
     intra_warps: int = INTRA_WARPS,
     inverse_warps: int = INVERSE_WARPS,
     inter: str | None = None,
     pairs: str | None = None,
+    wu: str = WU,
 ) -> tuple[jax.Array, jax.Array]:
     """As ``pallas_chunk_kda`` with K3's input activations fused into the intra stage.
 
@@ -311,7 +337,7 @@ def pallas_chunk_kda_fused_gate(
     return _call(q, k, v, g_raw, beta_logits, gate_scale, dt, scale, initial_state, interpret,
                  True, float(lower_bound), cu_seqlens, block_v=block_v, num_warps=num_warps,
                  num_stages=num_stages, intra_warps=intra_warps, inverse_warps=inverse_warps,
-                 inter=inter, keep_intra=False, pairs=pairs)
+                 inter=inter, keep_intra=False, pairs=pairs, wu=wu)
 
 
 def gate_params(A_log: jax.Array, dt_bias: jax.Array, H: int, K: int) -> tuple[jax.Array, jax.Array]:
@@ -322,11 +348,12 @@ def gate_params(A_log: jax.Array, dt_bias: jax.Array, H: int, K: int) -> tuple[j
 
 
 INTER_STAGES = ("fused", "two_pass")
+WU_PLACES = ("kernel", "loop")
 
 
 def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret, fused,
           lower_bound, cu_seqlens, *, block_v, num_warps, num_stages, intra_warps,
-          inverse_warps, inter, keep_intra, pairs):
+          inverse_warps, inter, keep_intra, pairs, wu):
     B, T, H, K = q.shape
     V = v.shape[-1]
     if interpret is None:
@@ -338,14 +365,17 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
                 f"pallas KDA on GPU needs K and V powers of two >= 16 (Triton), got {bad}"
             )
     n_seq = B if cu_seqlens is None else host_offsets(cu_seqlens, T).size - 1
-    inter_default, block_v_default, warps_default = default_inter(n_seq * H)
+    inter_default, block_v_default, warps_default, stages_default = default_inter(n_seq * H)
     inter = inter_default if inter is None else inter
     block_v = block_v_default if block_v is None else block_v
     num_warps = warps_default if num_warps is None else num_warps
+    num_stages = stages_default if num_stages is None else num_stages
     if not _is_pow2(block_v) or block_v < 16:
         raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
     if inter not in INTER_STAGES:
         raise ValueError(f"inter: expected one of {INTER_STAGES}, got {inter!r}")
+    if wu not in WU_PLACES:
+        raise ValueError(f"wu: expected one of {WU_PLACES}, got {wu!r}")
     pairs = default_pairs(q, k, v, g) if pairs is None else pairs
     if pairs not in PAIR_KERNELS:
         raise ValueError(f"pairs: expected one of {PAIR_KERNELS}, got {pairs!r}")
@@ -362,7 +392,7 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         scale=scale, interpret=bool(interpret), fused=fused, lower_bound=lower_bound,
         block_v=block_v if V % block_v == 0 else V, num_warps=num_warps, num_stages=num_stages,
         intra_warps=intra_warps,
-        inverse_warps=inverse_warps, inter=inter, keep_intra=keep_intra, pairs=pairs,
+        inverse_warps=inverse_warps, inter=inter, keep_intra=keep_intra, pairs=pairs, wu=wu,
     )
     if cu_seqlens is not None:
         return _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens,

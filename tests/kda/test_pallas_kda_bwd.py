@@ -176,13 +176,13 @@ def test_intra_shape_is_checked() -> None:
 
 def test_kept_intra_lowers_without_a_second_pair_kernel() -> None:
     """Forward with ``return_intra`` and backward with ``intra``, lowered for an abstract H200:
-    the pair and inverse kernels run once (in the forward); the backward's intra stage is the
-    one ``kda_intra_saved_parts`` kernel."""
+    the pair and inverse kernels run once (in the forward, here with its W/U kernel); the
+    backward's intra stage is the one ``kda_intra_saved_parts`` kernel."""
     args = _abstract_bwd_args()
 
     def fwd_bwd(q, k, v, g, beta, s0, do, dht):
         *_, intra = pallas_chunk_kda(q, k, v, g, beta, initial_state=s0, interpret=False,
-                                     return_intra=True)
+                                     return_intra=True, wu="kernel")
         return pallas_chunk_kda_bwd(q, k, v, g, beta, s0, do, dht, scale=D_GPU**-0.5,
                                     interpret=False, intra=intra)
 

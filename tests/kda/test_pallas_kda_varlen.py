@@ -136,17 +136,19 @@ def test_validation() -> None:
         pallas_chunk_kda(*_args(x), initial_state=x["s0"][:1], cu_seqlens=cu, interpret=True)
 
 
-@pytest.mark.parametrize("inter, kernels", [("fused", 4), ("two_pass", 5)])
-def test_lowers_to_triton_for_h200(inter: str, kernels: int) -> None:
+@pytest.mark.parametrize("inter, wu, kernels", [("fused", "loop", 3), ("fused", "kernel", 4),
+                                                ("two_pass", "loop", 5)])
+def test_lowers_to_triton_for_h200(inter: str, wu: str, kernels: int) -> None:
     """Cross-lowering for an abstract H200 on CPU: every kernel (the intra stage's pair, inverse
-    and W/U kernels, the inter kernel with its data-dependent chunk range, or the two-pass stage's
-    recurrence and output kernels) passes the Pallas -> Triton IR step (no PTX compile)."""
+    and W/U kernels, the last not with the fused inter stage forming W and U in its loop, the inter
+    kernel with its data-dependent chunk range, or the two-pass stage's recurrence and output
+    kernels) passes the Pallas -> Triton IR step (no PTX compile)."""
     f = jax.ShapeDtypeStruct
     T, cu = 200, np.array([0, 1, 70, 200])
     args = (f((1, T, H, K), jnp.bfloat16), f((1, T, H, K), jnp.bfloat16),
             f((1, T, H, V), jnp.bfloat16), f((1, T, H, K), jnp.float32), f((1, T, H), jnp.float32),
             f((3, H, K, V), jnp.float32))
     fn = lambda q, k, v, g, b, s0: pallas_chunk_kda(  # noqa: E731
-        q, k, v, g, b, initial_state=s0, cu_seqlens=cu, interpret=False, inter=inter)
+        q, k, v, g, b, initial_state=s0, cu_seqlens=cu, interpret=False, inter=inter, wu=wu)
     text = lowered_for_h200(fn, *args)
     assert text.count("stablehlo.custom_call @__gpu") == kernels
