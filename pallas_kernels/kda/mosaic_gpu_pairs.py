@@ -7,7 +7,8 @@ of 9.48 ms at B4 T8192 H96) because Triton cannot slice register tiles, so each 
 ``L`` and ``Aqk`` is a masked ``[64, K] x [K, 64]`` product (4x the tensor-core work) at 255
 registers. Here each block is its own ``[64, K] x [K, 16]`` wgmma into a column slice of one
 accumulator, and the operands go through shared memory explicitly: 3.55 ms, the forward 8.18 ms,
-7.38 with the inter stage's new tiles (benchmarks/RESULTS.md, ninth run).
+7.38 with the inter stage's new tiles (benchmarks/RESULTS.md, ninth run), 6.99 once the inter stage
+forms W and U itself (tenth run).
 
 Work per chunk (``G`` in units of ln 2 and ``exp2``; kda.md 2.1 / 2.4, ``chunk_math``'s midpoint
 factorisation with the column block's midpoint ``m_j``):

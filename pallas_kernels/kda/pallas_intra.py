@@ -7,7 +7,8 @@
    factor per sub-chunk: [64, K] x [K, 64] products masked by row block).
 2. ``_inverse_kernel``: ``X = (I + L)^{-1}`` by 16x16 blocks (``intra_blocks.unit_lower_inverse``)
    from the stored ``L``, on one warp.
-3. ``_wu_kernel``: ``W = X bk``, ``U = X (beta v)``.
+3. ``_wu_kernel``: ``W = X bk``, ``U = X (beta v)``; not run when the fused inter stage forms
+   them in its own loop (``pallas_kda.WU``).
 
 For bf16 q, k, v (the gate bf16 or fp32) with K a multiple of 64 the Mosaic GPU pair kernel
 (``mosaic_gpu_pairs.py``, the same outputs) replaces the first by default (``default_pairs``,

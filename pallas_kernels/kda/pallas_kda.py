@@ -10,14 +10,17 @@ Two stages:
    ``N = ceil(T / 64)`` chunks: per chunk the cumulative gate ``G``, the pair matrices
    ``L = beta_r P(k, k)`` and ``Aqk = P(scale q, k)`` (``P[r, i] = sum_d x_r y_i e^{G_r - G_i}``,
    each factor taken against a 16-row sub-chunk's midpoint: the lower bound keeps both within
-   e^40, so they are plain matmuls), ``X = (I + L)^{-1}``, ``W = X (beta k e^G)``,
-   ``U = X (beta v)``, ``Qg = scale q e^G``, ``Kd = k e^{G_last - G}``, ``gl = e^{G_last}``.
+   e^40, so they are plain matmuls), ``X = (I + L)^{-1}``, ``bk = beta k e^G``,
+   ``W = X bk``, ``U = X (beta v)``, ``Qg = scale q e^G``, ``Kd = k e^{G_last - G}``,
+   ``gl = e^{G_last}``.
    Optionally it fuses the input activations of fla's K3 call (q/k L2 norm,
    ``g = lb * sigmoid(exp(A_log) (g_raw + dt_bias))``, ``beta = sigmoid(b)``), so they cost no
    extra HBM pass.
 2. ``_inter_kernel``, grid ``(B, H, V / BV)``, sequential ``fori_loop`` over chunks keeping the
    fp32 state ``S [K, BV]`` on chip: ``v_new = U - W S``, ``o = Qg S + Aqk v_new``,
    ``S = gl * S + Kd^T v_new``. Output and final state written directly (no per-chunk states).
+   By default (``WU``) it reads X, bk, v and beta instead of W and U and forms
+   ``v_new = X (beta v - bk S)`` itself, so the intra stage skips its W/U kernel.
    Or, with ``inter="two_pass"``, the recurrence alone (``pallas_states.state_pass``, storing every
    chunk's state and ``v_new``) and then ``o`` for all chunks in parallel: half the products in
    the serial loop, for an HBM round trip of the states; the default for few sequence-heads,
@@ -49,12 +52,12 @@ loads/stores with ``pl.ds``, ``jnp`` math, ``lax.fori_loop``), so moving them to
 Mosaic TPU is a rewrite of the memory movement, not of the math. Mosaic GPU kernels are tested on
 CPU in Mosaic GPU's interpreter. Triton constraints: K, V and BV must be powers of two >= 16.
 
-Measured on one H200 (benchmarks/RESULTS.md, ninth run; fla-core 0.6.0 in a job of the same run):
-B4 T8192 H96 D128 bf16 7.38 ms with the fused activations (fla 9.96 ms), B1 T32768 H16 2.05 ms
+Measured on one H200 (benchmarks/RESULTS.md, tenth run; fla-core 0.6.0 in a job of the same run):
+B4 T8192 H96 D128 bf16 6.99 ms with the fused activations (fla 9.96 ms), B1 T32768 H16 2.00 ms
 (fla 2.26 ms); bf16 error vs the fp32 reference equal to fla's. bf16 inputs take the hardware exp2 /
 reciprocal (``intra_blocks.gate_exp``); fp32 inputs stay exact. Defaults: ``default_inter`` (the
 inter stage's form, block_v and warps by the number of sequence-heads), ``default_pairs``,
-``INTRA_WARPS``, ``INVERSE_WARPS`` and ``PIPELINE_STAGES``, the fastest measured.
+``WU``, ``INTRA_WARPS``, ``INVERSE_WARPS`` and ``PIPELINE_STAGES``, the fastest measured.
 Intra stages measured slower on the H200 and removed (benchmarks/RESULTS.md): one kernel over
 16-row sub-chunks ("v1", 13.5 ms at B4 T8192 H96), the same as two kernels ("split"), and the
 variants "lean", "blocks", "stream" and "kblock".
