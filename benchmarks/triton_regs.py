@@ -209,11 +209,11 @@ def _kda_fwd(sequence_heads: int, warps: int | None) -> tuple[Callable, tuple]:
         sds((KDA_H,), jnp.float32),
         sds((KDA_H * KDA_D,), jnp.float32),
     )
-    inter, block_v, default_warps, stages = default_inter(sequence_heads)
+    inter, block_v, default_warps = default_inter(sequence_heads)
 
     def fn(*a: jax.Array) -> tuple[jax.Array, jax.Array]:
         return pallas_chunk_kda_fused_gate(*a, lower_bound=LOWER_BOUND, interpret=False,
-                                           inter=inter, block_v=block_v, num_stages=stages,
+                                           inter=inter, block_v=block_v,
                                            num_warps=warps or default_warps)
 
     return fn, args

@@ -217,10 +217,9 @@ def _pallas_chunk_kda(
 INVERSE_WARPS = 1  # the intra stage's inverse kernel (16x16 blocks): one warp, fastest of 1, 2, 4
 INTRA_WARPS = 8  # the intra stage's pair and W/U kernels: at 4 the pair kernel spills
 FEW_SEQUENCE_HEADS = 32  # below this many (sequence, head) pairs, favour parallelism
-# Triton pipeline stages of the two-pass inter stage (and the backward): its chunk loop prefetches
-# the next chunk's W, U, Kd while the state update runs (B1 T32768 H16, block_v 64: 3.14 vs
-# 3.22 ms, benchmarks/RESULTS.md). 3 stages exceed the shared memory. The fused inter stage takes
-# one (``default_inter``).
+# Triton pipeline stages (``default_stages``; the backward's too): the chunk loops prefetch the next
+# chunk's tiles while the state update runs (B1 T32768 H16, block_v 64: 3.14 vs 3.22 ms,
+# benchmarks/RESULTS.md). 3 stages exceed the shared memory.
 PIPELINE_STAGES = 2
 # Where the fused inter stage gets W and U (``WU_PLACES``): in its own loop, ``v_new = X (beta v
 # - bk S)``, one more product on the serial path for no W/U kernel (B4 T8192 H96 6.99 vs 7.66 ms
@@ -228,9 +227,9 @@ PIPELINE_STAGES = 2
 WU = "loop"
 
 
-def default_inter(sequence_heads: int) -> tuple[str, int, int, int]:
-    """``(inter, block_v, num_warps, num_stages)`` of the inter stage, the fastest measured on an
-    H200 (benchmarks/RESULTS.md, ninth and tenth runs, with the Mosaic GPU pair kernel).
+def default_inter(sequence_heads: int) -> tuple[str, int, int]:
+    """``(inter, block_v, num_warps)`` of the inter stage, the fastest measured on an H200
+    (benchmarks/RESULTS.md, ninth and tenth runs, with the Mosaic GPU pair kernel).
 
     The inter stage has one program per (sequence, head, V block), each walking all chunks. The
     fused kernel at block_v 64, 4 warps and one pipeline stage, forming W and U in its loop
@@ -243,8 +242,16 @@ def default_inter(sequence_heads: int) -> tuple[str, int, int, int]:
     measured.
     """
     if sequence_heads < FEW_SEQUENCE_HEADS:
-        return "two_pass", 16, 4, PIPELINE_STAGES
-    return "fused", 64, 4, 1
+        return "two_pass", 16, 4
+    return "fused", 64, 4
+
+
+def default_stages(inter: str, wu: str) -> int:
+    """Triton pipeline stages of the forward's kernels: one for the fused inter stage forming W
+    and U in its loop, whose per-chunk tiles (X, bk, v, Qg, Kd, Aqk) at two stages leave the SM
+    one program (B4 T8192 H96: 6.99 vs 7.60 ms), else ``PIPELINE_STAGES`` (with the W/U kernel
+    7.38 at two stages vs 7.66 at one; benchmarks/RESULTS.md, tenth run)."""
+    return 1 if (inter, wu) == ("fused", "loop") else PIPELINE_STAGES
 
 
 def _default_interpret() -> bool:
@@ -281,9 +288,9 @@ def pallas_chunk_kda(
     and the final state are [N, H, K, V] and no state crosses a sequence boundary.
     ``inter``: ``"fused"``, one sequential kernel that also forms o, or ``"two_pass"``, the state
     recurrence alone with every chunk's state stored, then o for all chunks in parallel
-    (``_inter_two_pass``); ``block_v`` and ``num_warps`` are the inter stage's, ``num_stages``
-    every kernel's Triton pipeline stages. The four default to ``default_inter`` for the call's
-    number of (sequence, head) pairs. ``intra_warps``:
+    (``_inter_two_pass``); ``block_v`` and ``num_warps`` are the inter stage's. The three default
+    to ``default_inter`` for the call's number of (sequence, head) pairs. ``num_stages``: every
+    kernel's Triton pipeline stages, by default ``default_stages``. ``intra_warps``:
     num_warps of the intra stage's pair and W/U kernels; ``inverse_warps``: of its 16x16-block
     inverse kernel. ``return_intra``: also return every chunk's ``(X, Aqk)`` [B, Tp, H, 64]
     (``X = (I + L)^{-1}``, in the kernel's padded or chunk-aligned token layout and the
@@ -368,17 +375,17 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
                 f"pallas KDA on GPU needs K and V powers of two >= 16 (Triton), got {bad}"
             )
     n_seq = B if cu_seqlens is None else host_offsets(cu_seqlens, T).size - 1
-    inter_default, block_v_default, warps_default, stages_default = default_inter(n_seq * H)
+    inter_default, block_v_default, warps_default = default_inter(n_seq * H)
     inter = inter_default if inter is None else inter
     block_v = block_v_default if block_v is None else block_v
     num_warps = warps_default if num_warps is None else num_warps
-    num_stages = stages_default if num_stages is None else num_stages
     if not _is_pow2(block_v) or block_v < 16:
         raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
     if inter not in INTER_STAGES:
         raise ValueError(f"inter: expected one of {INTER_STAGES}, got {inter!r}")
     if wu not in WU_PLACES:
         raise ValueError(f"wu: expected one of {WU_PLACES}, got {wu!r}")
+    num_stages = default_stages(inter, wu) if num_stages is None else num_stages
     pairs = default_pairs(q, k, v, g) if pairs is None else pairs
     if pairs not in PAIR_KERNELS:
         raise ValueError(f"pairs: expected one of {PAIR_KERNELS}, got {pairs!r}")
@@ -440,4 +447,5 @@ def _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlen
     return (from_aligned(o, layout), *rest)
 
 
-__all__ = ["LOWER_BOUND_MIN", "default_inter", "pallas_chunk_kda", "pallas_chunk_kda_fused_gate"]
+__all__ = ["LOWER_BOUND_MIN", "default_inter", "default_stages", "pallas_chunk_kda",
+           "pallas_chunk_kda_fused_gate"]

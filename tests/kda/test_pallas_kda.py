@@ -14,7 +14,8 @@ import pytest
 from pallas_kernels.kda import chunk_kda, naive_recurrent_kda
 from pallas_kernels.kda.intra_blocks import unit_lower_inverse
 from pallas_kernels.kda.pallas_kda import (
-    FEW_SEQUENCE_HEADS, default_inter, pallas_chunk_kda, pallas_chunk_kda_fused_gate,
+    FEW_SEQUENCE_HEADS, default_inter, default_stages, pallas_chunk_kda,
+    pallas_chunk_kda_fused_gate,
 )
 from pallas_kernels.kda.reference import chunked_kda
 from tests.h200_lowering import lowered_for_h200
@@ -160,8 +161,8 @@ def test_wu_in_loop_equals_wu_kernel(dtype) -> None:
                                             (FEW_SEQUENCE_HEADS, ("kda_inter_state",))])
 def test_default_inter_stage_by_sequence_heads(heads: int, kernels: tuple[str, ...]) -> None:
     """Without ``inter``, few (sequence, head) pairs take the two-pass stage and many the fused
-    kernel (``default_inter``), with their block_v and warps: checked on the Triton IR lowered
-    for an abstract H200 (no GPU needed)."""
+    kernel (``default_inter``), with their block_v, warps and pipeline stages (``default_stages``):
+    checked on the Triton IR lowered for an abstract H200 (no GPU needed)."""
     f = jax.ShapeDtypeStruct
     T, K16 = 64, 16
     args = (f((1, T, heads, K16), jnp.bfloat16),) * 2 + (f((1, T, heads, 128), jnp.bfloat16),
@@ -169,13 +170,16 @@ def test_default_inter_stage_by_sequence_heads(heads: int, kernels: tuple[str, .
                                                         f((1, T, heads), jnp.float32))
     fn = lambda *a: pallas_chunk_kda(*a, interpret=False)  # noqa: E731
     text = lowered_for_h200(fn, *args)
-    inter, block_v, warps, stages = default_inter(heads)
-    assert (inter, block_v, warps, stages) == (("two_pass", 16, 4, 2) if heads < FEW_SEQUENCE_HEADS
-                                               else ("fused", 64, 4, 1))
+    inter, block_v, warps = default_inter(heads)
+    assert (inter, block_v, warps) == (("two_pass", 16, 4) if heads < FEW_SEQUENCE_HEADS
+                                       else ("fused", 64, 4))
     # pairs and inverse, then the W/U kernel unless the fused inter stage forms W and U itself
     assert text.count("stablehlo.custom_call @__gpu") == 2 + (inter == "two_pass") + len(kernels)
     lines = {name: next(x for x in text.splitlines() if f'name = "{name}"' in x) for name in kernels}
     assert all(f"num_warps = {warps} " in line for line in lines.values())
+    stages = default_stages(inter, "loop")
+    assert stages == (1 if inter == "fused" else 2)
+    assert all(f"num_stages = {stages} " in line for line in lines.values())
     # the recurrence (first listed): one program per V block in the grid's z
     assert f"grid_z = {128 // block_v} " in lines[kernels[0]]
 
