@@ -1,9 +1,9 @@
 """Building blocks of the Pallas-Triton KDA intra-chunk kernels (forward and the backward's recompute).
 
 Launch parameters, operand dtypes, K3's fused input activations, and the 16x16-block triangular
-inverse with its row-block store: Pallas-Triton cannot slice register values, so the inverse
-kernel loads the blocks of ``L`` straight from its ref and passes them here as a dict. Math:
-kda.md sections 2.1 / 2.4.
+inverse: Pallas-Triton cannot slice register values, so the inverse kernel loads each block of
+``L`` straight from its ref and stores each block of X as it comes (the callbacks of
+``unit_lower_inverse``). Math: kda.md sections 2.1 / 2.4.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
 from pallas_kernels import ptx_math
 from pallas_kernels.kda.chunk_math import BC, C, NC
@@ -40,33 +39,40 @@ def matmul_dtypes(v: jax.Array) -> tuple[jnp.dtype, jnp.dtype]:
     return (_F32, _F32) if v.dtype == _F32 else (jnp.bfloat16, v.dtype)
 
 
-def unit_lower_inverse(L, mm_dtype=_F32):
-    """X = (I + L)^{-1} from the 16x16 blocks L[i, j] (j <= i) of a strictly lower L, in fp32.
+def unit_lower_inverse(load, put, mm_dtype=_F32) -> None:
+    """X = (I + L)^{-1} by 16x16 blocks of a strictly lower L, in fp32, column by column.
 
-    Diagonal blocks: the exact Neumann product (I - L)(I + L^2)(I + L^4)(I + L^8) (L nilpotent of
-    order 16); below them block forward substitution X_ij = -X_ii sum_{j<=m<i} L_im X_mj.
-    ``mm_dtype``: the products' ``chunk_math.dot`` mode, IEEE fp32 or ``BF16X3`` (for an X that
-    is rounded to bf16 afterwards).
+    ``load(i, j)`` returns the block L[i, j] (j <= i); ``put(i, j, X_ij)`` takes each block of X
+    (j <= i) as soon as it is known. Diagonal blocks: the exact Neumann product
+    (I - L)(I + L^2)(I + L^4)(I + L^8) (L nilpotent of order 16); below them block forward
+    substitution X_ij = -X_ii sum_{j<=m<i} L_im X_mj, one column j at a time, so that only the
+    diagonal inverses and the current column are live: on one warp the row order (every block
+    of X kept until all were stored) took all 255 registers. ``mm_dtype``: the products'
+    ``chunk_math.dot`` mode, IEEE fp32 or ``BF16X3`` (for an X that is rounded to bf16
+    afterwards).
     """
     mm = functools.partial(_dot, mm_dtype=mm_dtype)
     eye = jnp.eye(BC, dtype=_F32)
-    X = {}
-    for i in range(NC):
-        Ld = L[i, i]
+
+    def diagonal(Ld):
         P = eye - Ld
         Lp = mm(Ld, Ld)
         P = mm(P, eye + Lp)
         Lp = mm(Lp, Lp)
         P = mm(P, eye + Lp)
         Lp = mm(Lp, Lp)
-        X[i, i] = mm(P, eye + Lp)
-    for i in range(1, NC):
-        for j in range(i):
-            acc = mm(L[i, j], X[j, j])
+        return mm(P, eye + Lp)
+
+    diag = [diagonal(load(i, i)) for i in range(NC)]
+    for j in range(NC):
+        col = {j: diag[j]}
+        put(j, j, diag[j])
+        for i in range(j + 1, NC):
+            acc = mm(load(i, j), col[j])
             for m in range(j + 1, i):
-                acc = acc + mm(L[i, m], X[m, j])
-            X[i, j] = -mm(X[i, i], acc)
-    return X
+                acc = acc + mm(load(i, m), col[m])
+            col[i] = -mm(diag[i], acc)
+            put(i, j, col[i])
 
 
 def pair_output_types(q: jax.Array, store_dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -125,11 +131,3 @@ def beta_activation(fused: bool):
     if fused:
         return lambda beta: jax.nn.sigmoid(beta.astype(_F32))
     return lambda beta: beta.astype(_F32)
-
-
-def store_row(ref, b, ts, h, blocks):
-    """One 16-row block row of a [C, C] lower-block-triangular matrix: ``blocks`` for j <= i,
-    zeros above."""
-    for j in range(NC):
-        blk = blocks[j] if j < len(blocks) else jnp.zeros((BC, BC), ref.dtype)
-        ref[b, ts, h, pl.ds(j * BC, BC)] = blk.astype(ref.dtype)

@@ -40,7 +40,7 @@ from pallas_kernels.kda.chunk_math import (
 )
 from pallas_kernels.kda.intra_blocks import (
     activations, approx_math, beta_activation, gate_exp, matmul_dtypes, pair_output_types,
-    store_row, unit_lower_inverse,
+    unit_lower_inverse,
 )
 from pallas_kernels.kda import mosaic_gpu_pairs
 
@@ -110,13 +110,16 @@ def _saved_parts_kernel(x_ref, q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, 
 def _inverse_kernel(l_ref, x_ref, *, mm_dtype):
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     t0 = c * C
-    L = {
-        (i, j): l_ref[b, pl.ds(t0 + i * BC, BC), h, pl.ds(j * BC, BC)]
-        for i in range(NC) for j in range(i + 1)
-    }
-    X = unit_lower_inverse(L, mm_dtype)
+    block = lambda i, j: (b, pl.ds(t0 + i * BC, BC), h, pl.ds(j * BC, BC))  # noqa: E731
+
+    def put(i, j, x):
+        x_ref[block(i, j)] = x.astype(x_ref.dtype)
+
+    unit_lower_inverse(lambda i, j: l_ref[block(i, j)], put, mm_dtype)
+    zeros = jnp.zeros((BC, BC), x_ref.dtype)
     for i in range(NC):
-        store_row(x_ref, b, pl.ds(t0 + i * BC, BC), h, [X[i, j] for j in range(i + 1)])
+        for j in range(i + 1, NC):
+            x_ref[block(i, j)] = zeros
 
 
 def _wu_kernel(x_ref, bk_ref, v_ref, b_ref, w_ref, u_ref, *, mm_dtype, fused):

@@ -198,10 +198,16 @@ def test_block_inverse() -> None:
     L = np.tril(rng.uniform(0, 1, (64, 1)) * (kk @ kk.T) * decay, -1).astype(np.float32)
     blocks = {(i, j): jnp.asarray(L[16 * i:16 * i + 16, 16 * j:16 * j + 16])
               for i in range(4) for j in range(i + 1)}
-    X = unit_lower_inverse(blocks)
     got = np.zeros((64, 64))
-    for (i, j), blk in X.items():
+    order = []
+
+    def put(i: int, j: int, blk: jax.Array) -> None:
+        order.append((i, j))
         got[16 * i:16 * i + 16, 16 * j:16 * j + 16] = np.asarray(blk)
+
+    unit_lower_inverse(lambda i, j: blocks[i, j], put)
+    # every block of X once, column by column (what keeps the kernel's registers to one column)
+    assert order == [(i, j) for j in range(4) for i in range(j, 4)]
     want = np.linalg.inv(np.eye(64) + L.astype(np.float64))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-6
 
