@@ -21,8 +21,10 @@ Cases (K3 per-GPU slices, M = 16384 rows sorted by expert, group sizes uniform):
   * gate+up and down at E=112 (146-147 rows per expert): 128-row tiles with a 32-row tail merged into the
     same program (the small-group default) vs the tail in a program of its own; mma_rows_* = rows of MMA
     work per column block (useful: 16384);
-  * only when named in --cases: gate_up_E28_tiles (one-warpgroup tile candidates at E=28, bf16 and MXFP4) and
-    tn_E28_tiles (the weight-gradient GEMM alone, tile candidates);
+  * only when named in --cases: gate_up_E28_tiles (one-warpgroup tile candidates at E=28, bf16 and MXFP4),
+    tn_E28_tiles (the weight-gradient GEMM alone, tile candidates) and decode_layer_E28 (one layer's gate and
+    up experts decoded to bf16 in XLA: the table decode routed_experts uses at 16384 rows vs the kernels'
+    integer bit assembly over the whole layer);
   * expert MLP forward+backward at E=28 and E=112 (pallas_vjp.expert_mlp, default tiles) vs jax autodiff of
     the lax.ragged_dot MLP, and (torch part) torch._grouped_mm forward + autograd backward of the same MLP;
     torch._grouped_mm alone for each forward GEMM.
@@ -324,6 +326,41 @@ def part_jax(budget_s: float) -> None:
             fn = jax.jit(functools.partial(pg.grouped_matmul_tn, group_sizes=gs, cfg=cfg, out_dtype=jnp.bfloat16,
                                            interpret=INTERPRET))
             run_case(rec, "tn_" + cfg.label(), fn, (dg, x), tn_check)
+        res[label] = rec
+        save()
+
+    # -- 2c. decoding one layer's gate and up experts to bf16 (only with --cases): what routed_experts does
+    # before the bf16 kernels at 16384 rows. The release decode (`MXFP4Experts.decode`: a 16-entry table
+    # gather, an fp32 scale product) against the kernels' bit assembly (`mxfp4_tile.decode_tile`: integer
+    # ops only) applied to the whole layer by XLA; both exact, so they must agree bit for bit.
+    label = "decode_layer_E28"
+    if label in ONLY:
+        from pallas_kernels.moe.mxfp4_tile import decode_tile
+
+        def decode_bits(q: MXFP4Experts) -> jax.Array:
+            e, n, half = q.packed.shape
+            flat = decode_tile(q.packed.reshape(e * n, half), q.scale.reshape(e * n, -1))
+            return flat.reshape(e, n, 2 * half)
+
+        k1, k3 = jax.random.split(jax.random.key(11))
+        pair = (random_mxfp4(k1, 28, F, H), random_mxfp4(k3, 28, F, H))
+        gb = sum(q.packed.size + q.scale.size + 2 * q.shape[0] * q.shape[1] * q.shape[2] for q in pair) / 1e9
+        rec = {"label": label, "GB_moved": gb, "GFLOP": 0.0}
+        table = jax.jit(lambda a, b: (a.decode(jnp.bfloat16), b.decode(jnp.bfloat16)))
+        bits = jax.jit(lambda a, b: (decode_bits(a), decode_bits(b)))
+        want = table(*pair)
+        for name, fn in (("table_decode", table), ("bit_assembly_decode", bits)):
+            try:
+                got = fn(*pair)
+                same = all(bool(jnp.array_equal(g, w)) for g, w in zip(got, want))
+                entry = {"bit_equal": same}
+                if same:
+                    ms = bench(fn, *pair)
+                    entry.update(ms_med_p20_p80=ms, GB_per_s=gb / ms[0] * 1e3)
+            except Exception as e:  # keep going: report the failure
+                entry = {"error": repr(e)[:800]}
+            rec[name] = entry
+            print(label, name, entry, flush=True)
         res[label] = rec
         save()
 
