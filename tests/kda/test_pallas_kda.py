@@ -130,31 +130,33 @@ def test_two_pass_inter_stage_equals_fused(dtype) -> None:
         pallas_chunk_kda(q, k, v, x["g"], x["beta"], interpret=True, inter="serial")
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_wu_in_loop_equals_wu_kernel(dtype) -> None:
+@pytest.mark.parametrize("dtype, fused", [(jnp.float32, False), (jnp.bfloat16, True)])
+def test_wu_in_loop_equals_wu_kernel(dtype, fused: bool) -> None:
     """The fused inter stage's ``v_new = X (beta v - bk S)`` (``wu="loop"``, the default) against
     ``U - W S`` from the W/U kernel: equal in exact arithmetic, so fp32 agrees to summation order
     (1e-6) and bf16 to a few ulps of its own rounding (1e-2, where a wrong operand is off by
-    O(1)); with K3's fused activations too (beta from logits inside the loop)."""
+    O(1)); the bf16 case with K3's fused activations (beta from logits inside the loop)."""
     x = make_inputs(150, seed=21)
     q, k, v = (x[n].astype(dtype) for n in ("q", "k", "v"))
-    tol = 1e-6 if dtype == jnp.float32 else 1e-2
-    plain = lambda wu: pallas_chunk_kda(  # noqa: E731
-        q, k, v, x["g"], x["beta"], initial_state=x["s0"], interpret=True, inter="fused", wu=wu)
     A_log, dt_bias = jnp.linspace(-1.0, 1.0, H), jnp.linspace(-0.5, 0.5, H * K)
-    fused = lambda wu: pallas_chunk_kda_fused_gate(  # noqa: E731
-        q, k, v, x["g"], x["beta"], A_log, dt_bias, initial_state=x["s0"], interpret=True,
-        inter="fused", wu=wu)
-    for run in (plain, fused):
-        (o, s), (o_ref, s_ref) = run("loop"), run("kernel")
-        assert rel(o.astype(jnp.float32), o_ref.astype(jnp.float32)) <= tol
-        assert rel(s, s_ref) <= tol
-    if dtype == jnp.float32:
+
+    def run(wu: str) -> tuple[jax.Array, jax.Array]:
+        if fused:
+            return pallas_chunk_kda_fused_gate(q, k, v, x["g"], x["beta"], A_log, dt_bias,
+                                               initial_state=x["s0"], interpret=True,
+                                               inter="fused", wu=wu)
+        return pallas_chunk_kda(q, k, v, x["g"], x["beta"], initial_state=x["s0"],
+                                interpret=True, inter="fused", wu=wu)
+
+    (o, s), (o_ref, s_ref) = run("loop"), run("kernel")
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    assert rel(o.astype(jnp.float32), o_ref.astype(jnp.float32)) <= tol
+    assert rel(s, s_ref) <= tol
+    if not fused:
         ref_o, ref_s = _ref(x, x["s0"])
-        o, s = plain("loop")
         assert rel(o, ref_o) <= 1e-4 and rel(s, ref_s) <= 1e-4
-    with pytest.raises(ValueError, match=r"^wu: expected one of"):
-        plain("inter")
+        with pytest.raises(ValueError, match=r"^wu: expected one of"):
+            run("inter")
 
 
 @pytest.mark.parametrize("heads, kernels", [(2, ("kda_states", "kda_output")),
