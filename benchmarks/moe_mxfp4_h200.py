@@ -497,6 +497,14 @@ def part_report() -> None:
                       f" {v.get('error', '')[:200]}")
             elif name not in ("label", "experts", "K", "N", "GFLOP"):
                 print(f"  {name:48s} {v}")
+    decode = jr.get("decode_layer_E28", {})
+    if decode:
+        print(f"\ndecode_layer_E28  ({decode.get('GB_moved', 0):.2f} GB moved)")
+        for name in ("table_decode", "bit_assembly_decode"):
+            v = decode.get(name, {})
+            ms = v.get("ms_med_p20_p80", ["-"])[0]
+            print(f"  {name:48s} {ms} ms  {v.get('GB_per_s', '-')} GB/s  bit-equal {v.get('bit_equal')}"
+                  f" {v.get('error', '')[:200]}")
 
 
 if __name__ == "__main__":
