@@ -131,3 +131,9 @@ def beta_activation(fused: bool):
     if fused:
         return lambda beta: jax.nn.sigmoid(beta.astype(_F32))
     return lambda beta: beta.astype(_F32)
+
+
+def beta_values(beta: jax.Array, v: jax.Array, fused: bool) -> jax.Array:
+    """``beta v`` in fp32 for rows of v [C, V] and their beta inputs [C] (logits when ``fused``):
+    the right-hand side of ``U = X (beta v)``, in the W/U kernel and in the inter loop alike."""
+    return beta_activation(fused)(beta)[:, None] * v.astype(_F32)

@@ -39,7 +39,7 @@ from pallas_kernels.kda.chunk_math import (
     BC, BF16X3, C, NC, causal_masks, dot, pair_scores_many, row,
 )
 from pallas_kernels.kda.intra_blocks import (
-    activations, approx_math, beta_activation, gate_exp, matmul_dtypes, pair_output_types,
+    activations, approx_math, beta_values, gate_exp, matmul_dtypes, pair_output_types,
     unit_lower_inverse,
 )
 from pallas_kernels.kda import mosaic_gpu_pairs
@@ -127,8 +127,7 @@ def _wu_kernel(x_ref, bk_ref, v_ref, b_ref, w_ref, u_ref, *, mm_dtype, fused):
     ts = pl.ds(c * C, C)
     X = x_ref[b, ts, h, :]
     w_ref[b, ts, h, :] = dot(X, bk_ref[b, ts, h, :], mm_dtype).astype(w_ref.dtype)
-    beta = beta_activation(fused)(b_ref[b, ts, h])
-    bv = beta[:, None] * v_ref[b, ts, h, :].astype(_F32)
+    bv = beta_values(b_ref[b, ts, h], v_ref[b, ts, h, :], fused)
     u_ref[b, ts, h, :] = dot(X, bv, mm_dtype).astype(u_ref.dtype)
 
 

@@ -77,7 +77,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.chunk_math import dot as _dot
-from pallas_kernels.kda.intra_blocks import beta_activation, compiler_params, matmul_dtypes
+from pallas_kernels.kda.intra_blocks import beta_values, compiler_params, matmul_dtypes
 from pallas_kernels.kda.pallas_intra import (
     PAIR_KERNELS, default_pairs, intra_stage, mosaic_gpu_pairs_fit,
 )
@@ -99,7 +99,6 @@ def _inter_kernel(*refs, n_chunks, bv, mm_dtype, varlen, wu_in_loop, fused):
     refs, s, b, c_begin, c_end = sequence_chunks(refs, n_chunks, varlen)
     if wu_in_loop:
         x_ref, bk_ref, v_ref, beta_ref, *refs = refs
-        beta_of = beta_activation(fused)
     else:
         w_ref, u_ref, *refs = refs
     qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o_ref, ht_ref = refs
@@ -113,7 +112,7 @@ def _inter_kernel(*refs, n_chunks, bv, mm_dtype, varlen, wu_in_loop, fused):
         a = a_ref[b, ts, h, :]
         gl = gl_ref[b, c, h, :]
         if wu_in_loop:
-            bv_ = beta_of(beta_ref[b, ts, h])[:, None] * v_ref[b, ts, h, vs].astype(_F32)
+            bv_ = beta_values(beta_ref[b, ts, h], v_ref[b, ts, h, vs], fused)
             v_new = _dot(x_ref[b, ts, h, :], bv_ - _dot(bk_ref[b, ts, h, :], S, mm_dtype),
                          mm_dtype)
         else:
@@ -184,7 +183,7 @@ def _pallas_chunk_kda(
     params = compiler_params(interpret, num_warps, num_stages)
 
     ins = (q, k, v, g, beta) + ((gate_scale, dt_bias) if fused else ())
-    wu_in_loop = wu == "loop" and inter == "fused"
+    wu_in_loop = forms_wu_in_loop(inter, wu)
     x, bk, w, u, qg, kd, aqk, gl = intra_stage(
         ins, scale=scale, fused=fused, lower_bound=lower_bound, interpret=interpret,
         params=compiler_params(interpret, intra_warps, num_stages),
@@ -246,12 +245,18 @@ def default_inter(sequence_heads: int) -> tuple[str, int, int]:
     return "fused", 64, 4
 
 
+def forms_wu_in_loop(inter: str, wu: str) -> bool:
+    """Whether the inter stage forms W and U in its own loop: only the fused stage can (``wu``
+    asks for it; the two-pass stage always takes the W/U kernel)."""
+    return (inter, wu) == ("fused", "loop")
+
+
 def default_stages(inter: str, wu: str) -> int:
     """Triton pipeline stages of the forward's kernels: one for the fused inter stage forming W
     and U in its loop, whose per-chunk tiles (X, bk, v, Qg, Kd, Aqk) at two stages leave the SM
     one program (B4 T8192 H96: 6.99 vs 7.60 ms), else ``PIPELINE_STAGES`` (with the W/U kernel
     7.38 at two stages vs 7.66 at one; benchmarks/RESULTS.md, tenth run)."""
-    return 1 if (inter, wu) == ("fused", "loop") else PIPELINE_STAGES
+    return 1 if forms_wu_in_loop(inter, wu) else PIPELINE_STAGES
 
 
 def _default_interpret() -> bool:
