@@ -54,6 +54,9 @@ PAIRS = os.environ.get("KDA_PAIRS", "triton,mosaic_gpu").split(",")
 # where the fused inter stage gets W and U, timed in each config (`pallas_kda.WU_PLACES`);
 # KDA_WU="loop" for one
 WU_PLACES = os.environ.get("KDA_WU", "kernel,loop").split(",")
+# the fused inter stage's kernel (with W/U in the loop; "mosaic_gpu" is skipped for the others);
+# KDA_INTER_KERNELS="mosaic_gpu" for one
+INTER_KERNELS = os.environ.get("KDA_INTER_KERNELS", "triton,mosaic_gpu").split(",")
 # fla's autotune results: a folder or .tar.gz (torch_peer.keep_autotuning), by default the
 # repository's (torch_peer.TUNED_ARCHIVE; FLA_AUTOTUNE= for none); those in use come back as
 # $OUT/fla_autotune.tar.gz.
@@ -181,6 +184,19 @@ def run_jax():
                                                  initial_state=j["h0"], pairs=pairs, wu=wu)
             num[f"ours_bf16_{pairs}_pairs_wu_{wu}_vs_ref_o"] = rel(op, ref_o)
             num[f"ours_bf16_{pairs}_pairs_wu_{wu}_vs_ref_ht"] = rel(hp, ref_h)
+        if "mosaic_gpu" in INTER_KERNELS:
+            om, hm = pallas_chunk_kda_fused_gate(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"],
+                                                 j["A_log"], j["dt_bias"], lower_bound=LB,
+                                                 initial_state=j["h0"], inter="fused", wu="loop",
+                                                 inter_kernel="mosaic_gpu")
+            ot, ht_ = pallas_chunk_kda_fused_gate(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"],
+                                                  j["A_log"], j["dt_bias"], lower_bound=LB,
+                                                  initial_state=j["h0"], inter="fused", wu="loop",
+                                                  inter_kernel="triton")
+            num["ours_bf16_mosaic_gpu_inter_vs_ref_o"] = rel(om, ref_o)
+            num["ours_bf16_mosaic_gpu_inter_vs_ref_ht"] = rel(hm, ref_h)
+            num["mosaic_gpu_inter_vs_triton_inter_o"] = rel(om, ot)
+            num["mosaic_gpu_inter_vs_triton_inter_ht"] = rel(hm, ht_)
         o32, h32 = pallas_chunk_kda(qa, ka, bf["v"].astype(jnp.float32), ga, ba,
                                     initial_state=j["h0"])
         num["ours_fp32_vs_ref_o"] = rel(o32, ref_o)
@@ -204,19 +220,21 @@ def run_jax():
         args = timing_inputs(B, T, H)
         name = f"B{B}_T{T}_H{H}"
         r = {}
-        for (bv, nw, ns, iw, two_pass), pairs, wu in itertools.product(CONFIGS, PAIRS,
-                                                                            WU_PLACES):
-            tag = (f"ours_fused_bv{bv}_w{nw}_s{ns}_inv{iw}" + ("_two_pass" if two_pass else "")
-                   + f"_{pairs}_pairs_wu_{wu}")
+        for (bv, nw, ns, iw, two_pass), pairs, wu, ik in itertools.product(
+                CONFIGS, PAIRS, WU_PLACES, INTER_KERNELS):
             inter = "two_pass" if two_pass else "fused"
+            if ik == "mosaic_gpu" and (inter, wu) != ("fused", "loop"):
+                continue
+            tag = (f"ours_fused_bv{bv}_w{nw}_s{ns}_inv{iw}" + ("_two_pass" if two_pass else "")
+                   + f"_{pairs}_pairs_wu_{wu}" + ("_mosaic_gpu_inter" if ik == "mosaic_gpu" else ""))
             try:
                 f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, iw=iw, inter=inter,
-                            pairs=pairs, wu=wu:
+                            pairs=pairs, wu=wu, ik=ik:
                             pallas_chunk_kda_fused_gate(q, k, v, g, b, a, d, lower_bound=LB,
                                                         block_v=bv, num_warps=nw, num_stages=ns,
                                                         intra_warps=INTRA_WARPS,
                                                         inverse_warps=iw, inter=inter,
-                                                        pairs=pairs, wu=wu))
+                                                        pairs=pairs, wu=wu, inter_kernel=ik))
                 ms = bench(f, args)
                 r[f"{tag}_ms"] = round(ms, 4)
             except Exception as e:

@@ -77,6 +77,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.chunk_math import dot as _dot
+from pallas_kernels.kda import mosaic_gpu_inter
 from pallas_kernels.kda.intra_blocks import beta_values, compiler_params, matmul_dtypes
 from pallas_kernels.kda.pallas_intra import (
     PAIR_KERNELS, default_pairs, intra_stage, mosaic_gpu_pairs_fit,
@@ -165,13 +166,13 @@ def _is_pow2(n: int) -> bool:
     jax.jit,
     static_argnames=(
         "scale", "interpret", "fused", "lower_bound", "block_v", "num_warps", "num_stages",
-        "intra_warps", "inverse_warps", "inter", "keep_intra", "pairs", "wu",
+        "intra_warps", "inverse_warps", "inter", "keep_intra", "pairs", "wu", "inter_kernel",
     ),
 )
 def _pallas_chunk_kda(
     q, k, v, g, beta, initial_state, gate_scale, dt_bias, chunk_offsets=None, *, scale,
     interpret, fused, lower_bound, block_v, num_warps, num_stages, intra_warps, inverse_warps,
-    inter, keep_intra, pairs, wu,
+    inter, keep_intra, pairs, wu, inter_kernel,
 ):
     """``chunk_offsets`` (int32 [N + 1], traced) marks a chunk-aligned packed batch (B == 1).
     Returns ``(o, final state)``, with ``keep_intra`` also ``(X, Aqk)`` (see ``pallas_chunk_kda``)."""
@@ -195,6 +196,12 @@ def _pallas_chunk_kda(
     if inter == "two_pass":
         return _inter_two_pass(w, u, qg, kd, aqk, gl, initial_state, chunk_offsets, block_v=bv,
                                out_dtype=v.dtype, interpret=interpret, params=params) + kept
+    if inter_kernel == "mosaic_gpu":
+        # In the CPU interpreter each warpgroup is a host thread; two that wait on each other
+        # inside a jit can starve a two-core host, so there it takes one warpgroup per CTA.
+        return mosaic_gpu_inter.inter_mgpu(x, bk, v, beta, qg, kd, aqk, gl, initial_state,
+                                           fused=fused, interpret=interpret,
+                                           warpgroups=1 if interpret else None) + kept
     varlen = chunk_offsets is not None
     n_seq = initial_state.shape[0]
     o, ht = pl.pallas_call(
@@ -224,6 +231,8 @@ PIPELINE_STAGES = 2
 # - bk S)``, one more product on the serial path for no W/U kernel (B4 T8192 H96 6.99 vs 7.66 ms
 # at one pipeline stage, benchmarks/RESULTS.md, tenth run).
 WU = "loop"
+# The fused inter stage's kernel where the Mosaic GPU one fits (``default_inter_kernel``).
+INTER_KERNEL = "triton"
 
 
 def default_inter(sequence_heads: int) -> tuple[str, int, int]:
@@ -249,6 +258,15 @@ def forms_wu_in_loop(inter: str, wu: str) -> bool:
     """Whether the inter stage forms W and U in its own loop: only the fused stage can (``wu``
     asks for it; the two-pass stage always takes the W/U kernel)."""
     return (inter, wu) == ("fused", "loop")
+
+
+def default_inter_kernel(inter: str, wu: str, K: int, V: int, dtype, varlen: bool) -> str:
+    """The fused inter stage's kernel when a call names none: ``INTER_KERNEL`` wherever it
+    fits (``mosaic_gpu_inter.takes``, and the stage forms W and U in its loop), else Triton."""
+    if (INTER_KERNEL == "mosaic_gpu" and forms_wu_in_loop(inter, wu)
+            and mosaic_gpu_inter.takes(K, V, dtype, varlen)):
+        return "mosaic_gpu"
+    return "triton"
 
 
 def default_stages(inter: str, wu: str) -> int:
@@ -283,6 +301,7 @@ def pallas_chunk_kda(
     return_intra: bool = False,
     pairs: str | None = None,
     wu: str = WU,
+    inter_kernel: str | None = None,
 ) -> tuple[jax.Array, ...]:
     """Chunked KDA forward (safe gate, pre-activated inputs; fla conventions).
 
@@ -306,11 +325,14 @@ def pallas_chunk_kda(
     ``default_pairs``. ``wu``: where the fused inter stage gets ``W = X bk`` and
     ``U = X (beta v)``: from the intra stage's W/U kernel (``"kernel"``) or formed in its own
     loop (``"loop"``, ``v_new = X (beta v - bk S)``); the two-pass stage always takes the kernel.
+    ``inter_kernel``: the fused inter stage's kernel when it forms W and U in its loop,
+    ``"triton"`` or ``"mosaic_gpu"`` (``mosaic_gpu_inter.py``: bf16, K and V multiples of 64,
+    K <= 128, no ``cu_seqlens``); default ``default_inter_kernel``.
     """
     return _call(q, k, v, g, beta, None, None, scale, initial_state, interpret, False, 0.0,
                  cu_seqlens, block_v=block_v, num_warps=num_warps, num_stages=num_stages,
                  intra_warps=intra_warps, inverse_warps=inverse_warps, inter=inter,
-                 keep_intra=return_intra, pairs=pairs, wu=wu)
+                 keep_intra=return_intra, pairs=pairs, wu=wu, inter_kernel=inter_kernel)
 
 
 def pallas_chunk_kda_fused_gate(
@@ -335,6 +357,7 @@ def pallas_chunk_kda_fused_gate(
     inter: str | None = None,
     pairs: str | None = None,
     wu: str = WU,
+    inter_kernel: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """As ``pallas_chunk_kda`` with K3's input activations fused into the intra stage.
 
@@ -352,7 +375,7 @@ def pallas_chunk_kda_fused_gate(
     return _call(q, k, v, g_raw, beta_logits, gate_scale, dt, scale, initial_state, interpret,
                  True, float(lower_bound), cu_seqlens, block_v=block_v, num_warps=num_warps,
                  num_stages=num_stages, intra_warps=intra_warps, inverse_warps=inverse_warps,
-                 inter=inter, keep_intra=False, pairs=pairs, wu=wu)
+                 inter=inter, keep_intra=False, pairs=pairs, wu=wu, inter_kernel=inter_kernel)
 
 
 def gate_params(A_log: jax.Array, dt_bias: jax.Array, H: int, K: int) -> tuple[jax.Array, jax.Array]:
@@ -364,11 +387,12 @@ def gate_params(A_log: jax.Array, dt_bias: jax.Array, H: int, K: int) -> tuple[j
 
 INTER_STAGES = ("fused", "two_pass")
 WU_PLACES = ("kernel", "loop")
+INTER_KERNELS = ("triton", "mosaic_gpu")
 
 
 def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret, fused,
           lower_bound, cu_seqlens, *, block_v, num_warps, num_stages, intra_warps,
-          inverse_warps, inter, keep_intra, pairs, wu):
+          inverse_warps, inter, keep_intra, pairs, wu, inter_kernel):
     B, T, H, K = q.shape
     V = v.shape[-1]
     if interpret is None:
@@ -398,6 +422,18 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         raise ValueError(f"pairs='mosaic_gpu' needs bf16 q, k, v, a bf16 or fp32 g and K a "
                          f"multiple of 64, got "
                          f"q {q.dtype}, k {k.dtype}, v {v.dtype}, g {g.dtype}, K={K}")
+    varlen = cu_seqlens is not None
+    if inter_kernel is None:
+        inter_kernel = default_inter_kernel(inter, wu, K, V, v.dtype, varlen)
+    if inter_kernel not in INTER_KERNELS:
+        raise ValueError(f"inter_kernel: expected one of {INTER_KERNELS}, got {inter_kernel!r}")
+    if inter_kernel == "mosaic_gpu" and not (forms_wu_in_loop(inter, wu)
+                                             and mosaic_gpu_inter.takes(K, V, v.dtype, varlen)):
+        raise ValueError(
+            f"inter_kernel='mosaic_gpu' needs the fused inter stage forming W and U in its loop "
+            f"(inter='fused', wu='loop'), bf16 v, K and V multiples of 64 with K <= 128 and no "
+            f"cu_seqlens, got inter={inter!r}, wu={wu!r}, v {v.dtype}, K={K}, V={V}, "
+            f"cu_seqlens {'given' if varlen else 'None'}")
     scale = K**-0.5 if scale is None else float(scale)
     # Padding steps are identities: k = v = 0, beta = 0 and g = 0; with the fused activations the
     # gate and beta pre-activations are padded with -inf (sigmoid(-inf) = 0). Padding happens
@@ -408,6 +444,7 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         block_v=block_v if V % block_v == 0 else V, num_warps=num_warps, num_stages=num_stages,
         intra_warps=intra_warps,
         inverse_warps=inverse_warps, inter=inter, keep_intra=keep_intra, pairs=pairs, wu=wu,
+        inter_kernel=inter_kernel,
     )
     if cu_seqlens is not None:
         return _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens,
