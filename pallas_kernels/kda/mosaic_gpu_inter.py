@@ -41,46 +41,56 @@ HALF = C  # channels per bf16 128-byte swizzle tile; also a warpgroup's value co
 SLOTS = 2  # chunks in flight: the one being computed and the next one loading
 MAX_HALVES = 2  # K and V up to 128: the loop's buffers fill the 227 KB of shared memory
 _WG = plgpu.Layout.WGMMA
-_ROWS = _WG.reduce(1)
+_ROWS = _WG.reduce(1)  # per row of a WGMMA array
 _BF16_TILES = (plgpu.TilingTransform((8, HALF)), plgpu.SwizzleTransform(128))
 _F32_TILES = (plgpu.TilingTransform((8, HALF // 2)), plgpu.SwizzleTransform(128))
 
 
 def _rows(v: jax.Array) -> jax.Array:
-    return plgpu.layout_cast(lax.broadcast_in_dim(v, (C, HALF), [0]), _WG)
+    """A per-row vector [M] broadcast over a warpgroup's [M, 64] value columns."""
+    return plgpu.layout_cast(lax.broadcast_in_dim(v, (v.shape[0], HALF), [0]), _WG)
+
+
+def _accumulate_onto(init: jax.Array, products, interpret: bool) -> jax.Array:
+    """``init`` plus what ``products(acc)`` accumulates, in an accumulator that starts at
+    ``init``, so no second array of its size is live. Mosaic GPU's CPU interpreter cannot run an
+    accumulator initialised by value; there the products start from zero and ``init`` is added
+    after (the same sum)."""
+    if interpret:
+        def from_zero(acc):
+            products(acc)
+            return acc[...]
+
+        return init + pl.run_scoped(from_zero, plgpu.ACC(init.shape, _F32))
+    return pl.run_state(products)(plgpu.ACC.init(init))
 
 
 def _body(x_ref, bk_ref, v_ref, bt_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o_ref, ht_ref, *,
-          n_chunks: int, nk: int, nw: int, fused: bool):
+          n_chunks: int, nw: int, fused: bool, interpret: bool):
+    K = bk_ref.shape[-1]
     b, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
     w = lax.axis_index("wg")
     vcols = [pl.ds((vb * nw + j) * HALF, HALF) for j in range(nw)]
-    kcols = [pl.ds(i * HALF, HALF) for i in range(nk)]
     mine = pl.ds((vb * nw + w) * HALF, HALF)  # this warpgroup's value columns
 
     def load_state(hs, bars):
-        for i, ks in enumerate(kcols):
-            plgpu.copy_gmem_to_smem(h0_ref.at[b, h, ks, mine], hs.at[w, i], bars.at[w * nk + i])
-        for i in range(nk):
-            plgpu.barrier_wait(bars.at[w * nk + i])
-        return tuple(plgpu.load(hs.at[w, i], layout=_WG) for i in range(nk))
+        plgpu.copy_gmem_to_smem(h0_ref.at[b, h, :, mine], hs.at[w], bars.at[w])
+        plgpu.barrier_wait(bars.at[w])
+        return plgpu.load(hs.at[w], layout=_WG)
 
-    S = pl.run_scoped(load_state, plgpu.SMEM((nw, nk, C, HALF), _F32, transforms=_F32_TILES),
-                      plgpu.Barrier(num_barriers=nw * nk), collective_axes="wg")
+    S = pl.run_scoped(load_state, plgpu.SMEM((nw, K, HALF), _F32, transforms=_F32_TILES),
+                      plgpu.Barrier(num_barriers=nw), collective_axes="wg")
 
-    n_copies = 3 + 4 * nk + nw
+    n_copies = 7 + nw
 
     def loop(x_s, bk_s, v_s, bt_s, qg_s, kd_s, a_s, gl_s, s_s, t_s, loaded, released):
         def issue(c, slot):
             """Warpgroup 0 copies chunk c's tiles into ``slot``, one barrier per copy."""
             ts = pl.ds(c * C, C)
             copies = [(x_ref.at[b, ts, h], x_s.at[slot]), (a_ref.at[b, ts, h], a_s.at[slot]),
-                      (bt_ref.at[b, h, ts], bt_s.at[slot])]
-            for i, ks in enumerate(kcols):
-                copies += [(bk_ref.at[b, ts, h, ks], bk_s.at[slot, i]),
-                           (qg_ref.at[b, ts, h, ks], qg_s.at[slot, i]),
-                           (kd_ref.at[b, ts, h, ks], kd_s.at[slot, i]),
-                           (gl_ref.at[b, c, h, ks], gl_s.at[slot, i])]
+                      (bt_ref.at[b, h, ts], bt_s.at[slot]), (gl_ref.at[b, c, h], gl_s.at[slot]),
+                      (bk_ref.at[b, ts, h], bk_s.at[slot]), (qg_ref.at[b, ts, h], qg_s.at[slot]),
+                      (kd_ref.at[b, ts, h], kd_s.at[slot])]
             copies += [(v_ref.at[b, ts, h, vs], v_s.at[slot, j]) for j, vs in enumerate(vcols)]
             for i, (src, dst) in enumerate(copies):
                 plgpu.copy_gmem_to_smem(src, dst, loaded.at[slot * n_copies + i])
@@ -95,21 +105,18 @@ def _body(x_ref, bk_ref, v_ref, bt_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o
             for i in range(n_copies):  # every warpgroup waits every copy: phases are per thread
                 plgpu.barrier_wait(loaded.at[slot * n_copies + i])
             # 1. the state in bf16 (the last chunk's products have read the buffer)
-            for i in range(nk):
-                s_s[w, i] = S[i].astype(_BF16)
+            s_s[w] = S.astype(_BF16)
             plgpu.commit_smem()
 
-            def products(acc_p, acc_o, acc_v, *acc_s):
+            def products(acc_p, acc_o, acc_v):
                 # 2. P = bk S and O = Qg S together; t = beta v - P; v_new = X t
-                for i in range(nk):
-                    plgpu.wgmma(acc_p, bk_s.at[slot, i], s_s.at[w, i])
-                for i in range(nk):
-                    plgpu.wgmma(acc_o, qg_s.at[slot, i], s_s.at[w, i])
+                plgpu.wgmma(acc_p, bk_s.at[slot], s_s.at[w])
+                plgpu.wgmma(acc_o, qg_s.at[slot], s_s.at[w])
                 beta = plgpu.load(bt_s.at[slot], layout=_ROWS)
                 if fused:
                     beta = 1.0 / (1.0 + jnp.exp(-beta))
                 bv = _rows(beta) * plgpu.load(v_s.at[slot, w], layout=_WG).astype(_F32)
-                p = plgpu.wgmma_accumulator_load(acc_p, wait_n=nk)  # O's products may still run
+                p = plgpu.wgmma_accumulator_load(acc_p, wait_n=1)  # O's product may still run
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last o store has read t_s
                 t_s[w] = (bv - p).astype(_BF16)
                 plgpu.commit_smem()
@@ -117,15 +124,19 @@ def _body(x_ref, bk_ref, v_ref, bt_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o
                 v_new = acc_v[...]
                 t_s[w] = v_new.astype(_BF16)
                 plgpu.commit_smem()
-                # 3. O += Aqk v_new; S = gl * S + Kd^T v_new
+                # 3. O += Aqk v_new; S = gl * S + Kd^T v_new, accumulated onto the decayed state
+                # (no second [K, 64] array live: the loop is at the register limit)
                 plgpu.wgmma(acc_o, a_s.at[slot], t_s.at[w])
-                for i in range(nk):
-                    plgpu.wgmma(acc_s[i], kd_s.at[slot, i].transpose((1, 0)), t_s.at[w])
-                decayed = [_rows(plgpu.load(gl_s.at[slot, i], layout=_ROWS)) * S[i]
-                           for i in range(nk)]
-                return acc_o[...], tuple(d + acc[...] for d, acc in zip(decayed, acc_s))
 
-            o, S = pl.run_scoped(products, *[plgpu.ACC((C, HALF), _F32)] * (3 + nk))
+                def update(acc_s):
+                    plgpu.wgmma(acc_s, kd_s.at[slot].transpose((1, 0)), t_s.at[w])
+
+                return acc_o[...], _accumulate_onto(decayed, update, interpret)
+
+            # the decayed state, once S is in shared memory
+            decayed = _rows(plgpu.load(gl_s.at[slot], layout=_ROWS)) * S
+            o, S = pl.run_scoped(products, plgpu.ACC((C, HALF), _F32), plgpu.ACC((C, HALF), _F32),
+                                 plgpu.ACC((C, HALF), _F32))
             plgpu.barrier_arrive(released.at[slot])
             t_s[w] = o.astype(_BF16)  # every product has read v_new
             plgpu.commit_smem()
@@ -152,14 +163,14 @@ def _body(x_ref, bk_ref, v_ref, bt_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o
     S = pl.run_scoped(
         loop,
         bf16(SLOTS, C, C),  # X
-        bf16(SLOTS, nk, C, HALF),  # bk
+        bf16(SLOTS, C, K),  # bk
         bf16(SLOTS, nw, C, HALF),  # v
         plgpu.SMEM((SLOTS, C), _F32),  # beta
-        bf16(SLOTS, nk, C, HALF),  # Qg
-        bf16(SLOTS, nk, C, HALF),  # Kd
+        bf16(SLOTS, C, K),  # Qg
+        bf16(SLOTS, C, K),  # Kd
         bf16(SLOTS, C, C),  # Aqk
-        plgpu.SMEM((SLOTS, nk, HALF), _F32),  # gl
-        bf16(nw, nk, C, HALF),  # S in bf16, per warpgroup
+        plgpu.SMEM((SLOTS, K), _F32),  # gl
+        bf16(nw, K, HALF),  # S in bf16, per warpgroup
         bf16(nw, C, HALF),  # t, then v_new, then o, per warpgroup
         plgpu.Barrier(num_barriers=SLOTS * n_copies),
         plgpu.Barrier(num_arrivals=nw, num_barriers=SLOTS),
@@ -167,14 +178,12 @@ def _body(x_ref, bk_ref, v_ref, bt_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o
     )
 
     def store_state(hs):
-        for i in range(nk):
-            hs[w, i] = S[i]
+        hs[w] = S
         plgpu.commit_smem()
-        for i, ks in enumerate(kcols):
-            plgpu.copy_smem_to_gmem(hs.at[w, i], ht_ref.at[b, h, ks, mine])
+        plgpu.copy_smem_to_gmem(hs.at[w], ht_ref.at[b, h, :, mine])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(store_state, plgpu.SMEM((nw, nk, C, HALF), _F32), collective_axes="wg")
+    pl.run_scoped(store_state, plgpu.SMEM((nw, K, HALF), _F32), collective_axes="wg")
 
 
 def takes(K: int, V: int, dtype, varlen: bool) -> bool:
@@ -200,14 +209,13 @@ def inter_mgpu(x, bk, v, beta, qg, kd, aqk, gl, h0, *, fused: bool, interpret: b
         raise ValueError(f"mosaic_gpu_inter: wants bf16 X, bk and v with K, V multiples of {HALF} "
                          f"up to {MAX_HALVES * HALF} and T % {C} == 0, got bk {bk.dtype} "
                          f"{bk.shape}, X {x.dtype}, v {v.dtype} {v.shape}")
-    nk = K // HALF
     nw = min(V // HALF, MAX_HALVES) if warpgroups is None else warpgroups
     if not 1 <= nw <= MAX_HALVES or (V // HALF) % nw:
         raise ValueError(f"mosaic_gpu_inter: warpgroups={nw} must be in [1, {MAX_HALVES}] and "
                          f"divide V / {HALF} = {V // HALF}")
     beta_t = jnp.swapaxes(beta, 1, 2).astype(_F32)  # [B, H, T]: one TMA row per chunk
     kernel = plgpu.kernel(
-        functools.partial(_body, n_chunks=Tp // C, nk=nk, nw=nw, fused=fused),
+        functools.partial(_body, n_chunks=Tp // C, nw=nw, fused=fused, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype),
                   jax.ShapeDtypeStruct((B, H, K, V), _F32)),
         grid=(V // (HALF * nw), H, B),
