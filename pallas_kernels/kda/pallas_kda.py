@@ -42,19 +42,22 @@ dtype, like fla's pipeline).
 Backends: the intra stage's pair kernel is Mosaic GPU (``mosaic_gpu_pairs.py``: TMA copies and
 wgmma products, the documented GPU direction in jax 0.11) wherever it fits (bf16 q, k, v, a bf16 or
 fp32 gate, K a multiple of 64; ``pallas_intra.default_pairs``), the Pallas-Triton one otherwise;
-every other kernel is Pallas-Triton (still working on jax 0.11.2, deprecated). Why the mix: the
-pair kernel is where Triton's lack of register slicing cost most (each 16-column block of L and Aqk
-a masked 64-column product, 255 registers), and Mosaic GPU's explicit shared-memory tiles and wgmma
-into accumulator column slices fix exactly that (4.84 -> 3.55 ms at B4 T8192 H96). The inverse, the
-W/U products and the chunk loops with a carried fp32 state are written as Triton kernels that run
+so is the fused inter stage (``mosaic_gpu_inter.py``: bf16, K <= 128, no packed sequences;
+``default_inter_kernel``). Every other kernel is Pallas-Triton (still working on jax 0.11.2,
+deprecated). Why the mix: the pair kernel is where Triton's lack of register slicing cost most
+(each 16-column block of L and Aqk a masked 64-column product, 255 registers), and Mosaic GPU's
+explicit shared-memory tiles and wgmma into accumulator column slices fix exactly that (4.84 ->
+3.55 ms at B4 T8192 H96); the inter stage's serial loop gains from TMA loading the next chunk
+while this one runs, and from the value blocks of a head sharing one CTA's copies (~2.7 -> ~1.2
+ms). The inverse, the W/U products and the remaining chunk loops are written as Triton kernels that run
 unchanged in ``interpret=True`` mode on CPU; they avoid Triton-only primitives (only ref
 loads/stores with ``pl.ds``, ``jnp`` math, ``lax.fori_loop``), so moving them to Mosaic GPU or
 Mosaic TPU is a rewrite of the memory movement, not of the math. Mosaic GPU kernels are tested on
 CPU in Mosaic GPU's interpreter. Triton constraints: K, V and BV must be powers of two >= 16.
 
-Measured on one H200 (benchmarks/RESULTS.md, tenth run; fla-core 0.6.0 in a job of the same run):
-B4 T8192 H96 D128 bf16 6.99 ms with the fused activations (fla 9.96 ms), B1 T32768 H16 2.00 ms
-(fla 2.26 ms); bf16 error vs the fp32 reference equal to fla's. bf16 inputs take the hardware exp2 /
+Measured on one H200 (benchmarks/RESULTS.md, eleventh run; fla-core 0.6.0 in a job of the same
+run): B4 T8192 H96 D128 bf16 5.35 ms with the fused activations (fla 9.96 ms), B1 T32768 H16
+1.97 ms (fla 2.26 ms); bf16 error vs the fp32 reference equal to fla's. bf16 inputs take the hardware exp2 /
 reciprocal (``intra_blocks.gate_exp``); fp32 inputs stay exact. Defaults: ``default_inter`` (the
 inter stage's form, block_v and warps by the number of sequence-heads), ``default_pairs``,
 ``WU``, ``INTRA_WARPS``, ``INVERSE_WARPS`` and ``PIPELINE_STAGES``, the fastest measured.
@@ -231,8 +234,9 @@ PIPELINE_STAGES = 2
 # - bk S)``, one more product on the serial path for no W/U kernel (B4 T8192 H96 6.99 vs 7.66 ms
 # at one pipeline stage, benchmarks/RESULTS.md, tenth run).
 WU = "loop"
-# The fused inter stage's kernel where the Mosaic GPU one fits (``default_inter_kernel``).
-INTER_KERNEL = "triton"
+# The fused inter stage's kernel where the Mosaic GPU one fits (``default_inter_kernel``):
+# B4 T8192 H96 5.35 vs 6.84 ms, B1 T8192 H96 1.43 vs 1.84 (benchmarks/RESULTS.md, eleventh run).
+INTER_KERNEL = "mosaic_gpu"
 
 
 def default_inter(sequence_heads: int) -> tuple[str, int, int]:
@@ -247,7 +251,9 @@ def default_inter(sequence_heads: int) -> tuple[str, int, int]:
     two-pass stage (a lighter serial loop, o formed afterwards for all chunks at once) at
     block_v 16 and 4 warps took 2.01-2.05 ms at B1 T32768 H16 (16 sequence-heads; fused at 64 and 4
     warps 2.04-2.07 with the W/U kernel). The threshold lies between 16 and 96 and is not itself
-    measured.
+    measured. With the Mosaic GPU inter kernel (``default_inter_kernel``; block_v and warps are
+    the Triton kernel's) the fused stage took 5.35 / 1.43 ms at B4 / B1 T8192 H96, and 2.70 at
+    B1 T32768 H16, where the two-pass stage's 1.97 stays ahead (eleventh run).
     """
     if sequence_heads < FEW_SEQUENCE_HEADS:
         return "two_pass", 16, 4
