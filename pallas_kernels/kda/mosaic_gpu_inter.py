@@ -41,7 +41,9 @@ from pallas_kernels.kda.chunk_math import C
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 HALF = C  # channels per bf16 128-byte swizzle tile; also a warpgroup's value columns
 SLOTS = 2  # chunks in flight: the one being computed and the next one loading
-MAX_HALVES = 2  # K and V up to 128: the loop's buffers fill the 227 KB of shared memory
+# K up to 128 and two warpgroups (128 value columns) per CTA: the loop's buffers then fill the
+# 227 KB of shared memory
+MAX_HALVES = 2
 _WG = plgpu.Layout.WGMMA
 _ROWS = _WG.reduce(1)  # per row of a WGMMA array
 _BF16_TILES = (plgpu.TilingTransform((8, HALF)), plgpu.SwizzleTransform(128))
@@ -109,6 +111,7 @@ def _body(x_ref, bk_ref, v_ref, bt_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o
             # 1. the state in bf16 (the last chunk's products have read the buffer)
             s_s[w] = S.astype(_BF16)
             plgpu.commit_smem()
+            decayed = _rows(plgpu.load(gl_s.at[slot], layout=_ROWS)) * S
 
             def products(acc_p, acc_o, acc_v):
                 # 2. P = bk S and O = Qg S together; t = beta v - P; v_new = X t
@@ -135,8 +138,6 @@ def _body(x_ref, bk_ref, v_ref, bt_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o
 
                 return acc_o[...], _accumulate_onto(decayed, update, interpret)
 
-            # the decayed state, once S is in shared memory
-            decayed = _rows(plgpu.load(gl_s.at[slot], layout=_ROWS)) * S
             o, S = pl.run_scoped(products, plgpu.ACC((C, HALF), _F32), plgpu.ACC((C, HALF), _F32),
                                  plgpu.ACC((C, HALF), _F32))
             plgpu.barrier_arrive(released.at[slot])
