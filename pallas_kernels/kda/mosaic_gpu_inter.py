@@ -37,22 +37,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.chunk_math import C
+from pallas_kernels.kda.mosaic_gpu_tiles import (
+    BF16_TILES, F32_TILES, HALF, ROWS, WG, rows, sigmoid,
+)
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
-HALF = C  # channels per bf16 128-byte swizzle tile; also a warpgroup's value columns
 SLOTS = 2  # chunks in flight: the one being computed and the next one loading
 # K up to 128 and two warpgroups (128 value columns) per CTA: the loop's buffers then fill the
 # 227 KB of shared memory
 MAX_HALVES = 2
-_WG = plgpu.Layout.WGMMA
-_ROWS = _WG.reduce(1)  # per row of a WGMMA array
-_BF16_TILES = (plgpu.TilingTransform((8, HALF)), plgpu.SwizzleTransform(128))
-_F32_TILES = (plgpu.TilingTransform((8, HALF // 2)), plgpu.SwizzleTransform(128))
-
-
-def _rows(v: jax.Array) -> jax.Array:
-    """A per-row vector [M] broadcast over a warpgroup's [M, 64] value columns."""
-    return plgpu.layout_cast(lax.broadcast_in_dim(v, (v.shape[0], HALF), [0]), _WG)
 
 
 def _accumulate_onto(init: jax.Array, products, interpret: bool) -> jax.Array:
@@ -80,9 +73,9 @@ def _body(x_ref, bk_ref, v_ref, bt_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o
     def load_state(hs, bars):
         plgpu.copy_gmem_to_smem(h0_ref.at[b, h, :, mine], hs.at[w], bars.at[w])
         plgpu.barrier_wait(bars.at[w])
-        return plgpu.load(hs.at[w], layout=_WG)
+        return plgpu.load(hs.at[w], layout=WG)
 
-    S = pl.run_scoped(load_state, plgpu.SMEM((nw, K, HALF), _F32, transforms=_F32_TILES),
+    S = pl.run_scoped(load_state, plgpu.SMEM((nw, K, HALF), _F32, transforms=F32_TILES),
                       plgpu.Barrier(num_barriers=nw), collective_axes="wg")
 
     n_copies = 7 + nw
@@ -111,16 +104,16 @@ def _body(x_ref, bk_ref, v_ref, bt_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o
             # 1. the state in bf16 (the last chunk's products have read the buffer)
             s_s[w] = S.astype(_BF16)
             plgpu.commit_smem()
-            decayed = _rows(plgpu.load(gl_s.at[slot], layout=_ROWS)) * S
+            decayed = rows(plgpu.load(gl_s.at[slot], layout=ROWS)) * S
 
             def products(acc_p, acc_o, acc_v):
                 # 2. P = bk S and O = Qg S together; t = beta v - P; v_new = X t
                 plgpu.wgmma(acc_p, bk_s.at[slot], s_s.at[w])
                 plgpu.wgmma(acc_o, qg_s.at[slot], s_s.at[w])
-                beta = plgpu.load(bt_s.at[slot], layout=_ROWS)
+                beta = plgpu.load(bt_s.at[slot], layout=ROWS)
                 if fused:
-                    beta = 1.0 / (1.0 + jnp.exp(-beta))
-                bv = _rows(beta) * plgpu.load(v_s.at[slot, w], layout=_WG).astype(_F32)
+                    beta = sigmoid(beta)
+                bv = rows(beta) * plgpu.load(v_s.at[slot, w], layout=WG).astype(_F32)
                 p = plgpu.wgmma_accumulator_load(acc_p, wait_n=1)  # O's product may still run
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last o store has read t_s
                 t_s[w] = (bv - p).astype(_BF16)
@@ -162,7 +155,7 @@ def _body(x_ref, bk_ref, v_ref, bt_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o
         plgpu.wait_smem_to_gmem(0)
         return S_out
 
-    bf16 = lambda *shape: plgpu.SMEM(shape, _BF16, transforms=_BF16_TILES)  # noqa: E731
+    bf16 = lambda *shape: plgpu.SMEM(shape, _BF16, transforms=BF16_TILES)  # noqa: E731
     S = pl.run_scoped(
         loop,
         bf16(SLOTS, C, C),  # X
@@ -205,14 +198,17 @@ def inter_mgpu(x, bk, v, beta, qg, kd, aqk, gl, h0, *, fused: bool, interpret: b
     bf16, beta [B, Tp, H] (logits when ``fused``), gl fp32 [B, Tp / 64, H, K], h0 fp32
     [B, H, K, V]; Tp a multiple of 64. ``interpret``: Mosaic GPU's CPU interpreter (tests).
     ``warpgroups``: per CTA, each 64 value columns; by default as many as V has, up to
-    ``MAX_HALVES``."""
+    ``MAX_HALVES``, and one in the interpreter: there each warpgroup is a host thread, and two
+    that wait on each other inside a jit can starve a two-core host."""
     B, Tp, H, K = bk.shape
     V = v.shape[-1]
     if not takes(K, V, v.dtype, False) or x.dtype != _BF16 or bk.dtype != _BF16 or Tp % C:
         raise ValueError(f"mosaic_gpu_inter: wants bf16 X, bk and v with K, V multiples of {HALF} "
                          f"up to {MAX_HALVES * HALF} and T % {C} == 0, got bk {bk.dtype} "
                          f"{bk.shape}, X {x.dtype}, v {v.dtype} {v.shape}")
-    nw = min(V // HALF, MAX_HALVES) if warpgroups is None else warpgroups
+    if warpgroups is None:
+        warpgroups = 1 if interpret else min(V // HALF, MAX_HALVES)
+    nw = warpgroups
     if not 1 <= nw <= MAX_HALVES or (V // HALF) % nw:
         raise ValueError(f"mosaic_gpu_inter: warpgroups={nw} must be in [1, {MAX_HALVES}] and "
                          f"divide V / {HALF} = {V // HALF}")

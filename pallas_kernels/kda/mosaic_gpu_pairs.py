@@ -47,33 +47,25 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.chunk_math import BC, C, CLAMP, MID, NC
 from pallas_kernels.kda.intra_blocks import pair_output_types
+from pallas_kernels.kda.mosaic_gpu_tiles import (
+    BF16_TILES, COLS, F32_TILES, HALF, ROWS, WG, rows, sigmoid,
+)
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
-HALF = C  # channels per bf16 128-byte swizzle tile (64), also the chunk's pair-matrix width
 LOG2E = 1.4426950408889634
-_WG = plgpu.Layout.WGMMA
-_ROWS, _COLS = _WG.reduce(1), _WG.reduce(0)  # [64] per row / per column of a WGMMA array
 
 
 def _iota(axis: int) -> jax.Array:
-    return plgpu.broadcasted_iota(jnp.int32, (C, HALF), axis, layout=_WG)
-
-
-def _rows(v: jax.Array) -> jax.Array:
-    return plgpu.layout_cast(lax.broadcast_in_dim(v, (C, HALF), [0]), _WG)
+    return plgpu.broadcasted_iota(jnp.int32, (C, HALF), axis, layout=WG)
 
 
 def _cols(v: jax.Array) -> jax.Array:
-    return plgpu.layout_cast(lax.broadcast_in_dim(v, (C, HALF), [1]), _WG)
+    return plgpu.layout_cast(lax.broadcast_in_dim(v, (C, HALF), [1]), WG)
 
 
 def _tile(ref) -> jax.Array:
     """A [C, HALF] tile from shared memory, in fp32 and the wgmma accumulator layout."""
-    return plgpu.load(ref, layout=_WG).astype(_F32)
-
-
-def _sigmoid(x: jax.Array) -> jax.Array:
-    return 1.0 / (1.0 + jnp.exp(-x))
+    return plgpu.load(ref, layout=WG).astype(_F32)
 
 
 def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int, g_f32: bool):
@@ -116,16 +108,16 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int, g
             qh, kh = _tile(tq.at[hh]), _tile(tk.at[hh])
             sq, sk = jnp.sum(qh * qh, axis=1), jnp.sum(kh * kh, axis=1)
             ssq, ssk = (sq, sk) if ssq is None else (ssq + sq, ssk + sk)
-        rq = _rows(lax.rsqrt(ssq + 1e-6) * scale)
-        rk = _rows(lax.rsqrt(ssk + 1e-6))
-        beta = _rows(_sigmoid(plgpu.load(beta_s, layout=_ROWS)))
+        rq = rows(lax.rsqrt(ssq + 1e-6) * scale)
+        rk = rows(lax.rsqrt(ssk + 1e-6))
+        beta = rows(sigmoid(plgpu.load(beta_s, layout=ROWS)))
     else:
         rq, rk = scale, 1.0
-        beta = _rows(plgpu.load(beta_s, layout=_ROWS))
+        beta = rows(plgpu.load(beta_s, layout=ROWS))
 
     def row(r):
         """Row ``r`` of the current half's G (stored in ``gp``) on every row."""
-        return _cols(plgpu.load(gp.at[r], layout=_COLS))
+        return _cols(plgpu.load(gp.at[r], layout=COLS))
 
     def products(acc_l, acc_a):
         """Both pair matrices, summed over the channel halves (each half its own G)."""
@@ -142,9 +134,9 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int, g
             else:
                 g = _tile(tg.at[hh])
             if fused:
-                gs = _cols(plgpu.load(gs_s.at[hh], layout=_COLS))
-                db = _cols(plgpu.load(db_s.at[hh], layout=_COLS))
-                g = (lower_bound * unit) * _sigmoid(gs * (g + db))
+                gs = _cols(plgpu.load(gs_s.at[hh], layout=COLS))
+                db = _cols(plgpu.load(db_s.at[hh], layout=COLS))
+                g = (lower_bound * unit) * sigmoid(gs * (g + db))
             else:
                 g = g * unit
             hi = g.astype(_BF16)
@@ -188,7 +180,7 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int, g
                 plgpu.wgmma(acc_a.at[:, cols], ops.at[1], kc)
 
             # 4. this half's gate terms, staged in its own input buffers and stored by TMA
-            g_last = plgpu.load(gp.at[C - 1], layout=_COLS)
+            g_last = plgpu.load(gp.at[C - 1], layout=COLS)
             eg = jnp.exp2(G)
             plgpu.wgmma_wait(0)  # the products have read kc
             tg[hh] = (k * jnp.exp2(_cols(g_last) - G)).astype(_BF16)  # Kd
@@ -239,9 +231,7 @@ def intra_pairs_mgpu(ins, *, scale: float, fused: bool, lower_bound: float, inte
     n = Tp // C
     extra = [x.astype(_F32) for x in ins[5:]] if fused else []
     beta_t = jnp.swapaxes(beta, 1, 2).astype(_F32)  # [B, H, T]: one TMA row per chunk
-    tiles = (plgpu.TilingTransform((8, HALF)), plgpu.SwizzleTransform(128))
-    buf = lambda: plgpu.SMEM((max(nk, 2), C, HALF), _BF16, transforms=tiles)  # noqa: E731
-    f32_tiles = (plgpu.TilingTransform((8, HALF // 2)), plgpu.SwizzleTransform(128))
+    buf = lambda: plgpu.SMEM((max(nk, 2), C, HALF), _BF16, transforms=BF16_TILES)  # noqa: E731
     n_copies = nk * (5 if fused else 3) + 1  # with an fp32 gate, halves after the first later
     kernel = plgpu.kernel(
         functools.partial(_pairs_body, scale=scale, fused=fused, lower_bound=lower_bound, nk=nk,
@@ -251,7 +241,7 @@ def intra_pairs_mgpu(ins, *, scale: float, fused: bool, lower_bound: float, inte
         grid_names=("c", "h", "b"),
         scratch_types=(
             buf(), buf(), buf(), buf(),
-            plgpu.SMEM((C, HALF), _F32, transforms=f32_tiles) if g_f32 else buf(),  # ty or tf
+            plgpu.SMEM((C, HALF), _F32, transforms=F32_TILES) if g_f32 else buf(),  # ty or tf
             plgpu.SMEM((C, C), _F32),  # one half's G (for its rows), then L
             plgpu.SMEM((C,), _F32),  # beta
             plgpu.SMEM((nk, HALF), _F32),  # gate scale

@@ -200,11 +200,8 @@ def _pallas_chunk_kda(
         return _inter_two_pass(w, u, qg, kd, aqk, gl, initial_state, chunk_offsets, block_v=bv,
                                out_dtype=v.dtype, interpret=interpret, params=params) + kept
     if inter_kernel == "mosaic_gpu":
-        # In the CPU interpreter each warpgroup is a host thread; two that wait on each other
-        # inside a jit can starve a two-core host, so there it takes one warpgroup per CTA.
         return mosaic_gpu_inter.inter_mgpu(x, bk, v, beta, qg, kd, aqk, gl, initial_state,
-                                           fused=fused, interpret=interpret,
-                                           warpgroups=1 if interpret else None) + kept
+                                           fused=fused, interpret=interpret) + kept
     varlen = chunk_offsets is not None
     n_seq = initial_state.shape[0]
     o, ht = pl.pallas_call(
@@ -266,11 +263,16 @@ def forms_wu_in_loop(inter: str, wu: str) -> bool:
     return (inter, wu) == ("fused", "loop")
 
 
+def mosaic_gpu_inter_fits(inter: str, wu: str, K: int, V: int, dtype, varlen: bool) -> bool:
+    """Whether the inter stage can take ``mosaic_gpu_inter``: the fused stage forming W and U in
+    its loop, on inputs the kernel takes (``mosaic_gpu_inter.takes``)."""
+    return forms_wu_in_loop(inter, wu) and mosaic_gpu_inter.takes(K, V, dtype, varlen)
+
+
 def default_inter_kernel(inter: str, wu: str, K: int, V: int, dtype, varlen: bool) -> str:
     """The fused inter stage's kernel when a call names none: ``INTER_KERNEL`` wherever it
-    fits (``mosaic_gpu_inter.takes``, and the stage forms W and U in its loop), else Triton."""
-    if (INTER_KERNEL == "mosaic_gpu" and forms_wu_in_loop(inter, wu)
-            and mosaic_gpu_inter.takes(K, V, dtype, varlen)):
+    fits (``mosaic_gpu_inter_fits``), else Triton."""
+    if INTER_KERNEL == "mosaic_gpu" and mosaic_gpu_inter_fits(inter, wu, K, V, dtype, varlen):
         return "mosaic_gpu"
     return "triton"
 
@@ -433,8 +435,8 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         inter_kernel = default_inter_kernel(inter, wu, K, V, v.dtype, varlen)
     if inter_kernel not in INTER_KERNELS:
         raise ValueError(f"inter_kernel: expected one of {INTER_KERNELS}, got {inter_kernel!r}")
-    if inter_kernel == "mosaic_gpu" and not (forms_wu_in_loop(inter, wu)
-                                             and mosaic_gpu_inter.takes(K, V, v.dtype, varlen)):
+    if inter_kernel == "mosaic_gpu" and not mosaic_gpu_inter_fits(inter, wu, K, V, v.dtype,
+                                                                  varlen):
         raise ValueError(
             f"inter_kernel='mosaic_gpu' needs the fused inter stage forming W and U in its loop "
             f"(inter='fused', wu='loop'), bf16 v, K and V multiples of 64 with K <= 128 and no "

@@ -38,12 +38,13 @@ def _bf16_case(seed: int, T: int, H: int, K: int, V: int):
 def test_two_warpgroups_share_the_chunk_tiles() -> None:
     """K = V = 128: two warpgroups per CTA, warpgroup 0 issuing the copies, over three chunks
     (both slots reused). Called eagerly: under an outer jit the interpreter's warpgroup threads
-    can starve a two-core host, so the forward itself takes one warpgroup there."""
+    can starve a two-core host, so there the kernel takes one warpgroup by default."""
     q, k, v, g, beta, s0 = _bf16_case(1, 3 * C, 2, 128, 128)
     x, bk, _, _, qg, kd, aqk, gl = intra_stage(
         (q, k, v, g, beta), scale=128**-0.5, fused=False, lower_bound=-5.0, interpret=True,
         params={}, inverse_params={}, pairs="mosaic_gpu", with_wu=False)
-    o, s = inter_mgpu(x, bk, v, beta, qg, kd, aqk, gl, s0, fused=False, interpret=True)
+    o, s = inter_mgpu(x, bk, v, beta, qg, kd, aqk, gl, s0, fused=False, interpret=True,
+                      warpgroups=2)
     o_tri, s_tri = pallas_chunk_kda(q, k, v, g, beta, initial_state=s0, interpret=True,
                                     inter="fused", wu="loop", inter_kernel="triton")
     assert o.dtype == _BF16 and s.dtype == _F32 and s.shape == s0.shape
