@@ -22,6 +22,7 @@ from pallas_kernels.kda.pallas_intra import intra_stage
 from pallas_kernels.kda.pallas_kda import (
     default_inter_kernel, pallas_chunk_kda, pallas_chunk_kda_fused_gate,
 )
+from pallas_kernels.kda.reference import chunked_kda
 from tests.h200_lowering import lowered_for_h200
 from tests.kda.kda_cases import as_f32, kda_case, rel
 
@@ -49,6 +50,11 @@ def test_two_warpgroups_share_the_chunk_tiles() -> None:
                                     inter="fused", wu="loop", inter_kernel="triton")
     assert o.dtype == _BF16 and s.dtype == _F32 and s.shape == s0.shape
     assert rel(o.astype(_F32), o_tri.astype(_F32)) <= TOL and rel(s, s_tri) <= TOL
+    # and against the fp32 reference, within the bf16 path's bound (2e-2, as the Triton path's
+    # bf16 tests: every intermediate rounded to bf16)
+    ref_o, ref_s = chunked_kda(q.astype(_F32), k.astype(_F32), v.astype(_F32), g.astype(_F32),
+                               beta, scale=128**-0.5, initial_state=s0)
+    assert rel(o.astype(_F32), ref_o) <= 2e-2 and rel(s, ref_s) <= 2e-2
 
 
 # T = 1: one chunk, fewer than the slots; T = 65: a padded second chunk; K != V both ways
