@@ -39,15 +39,21 @@ CHECK = (1, 2048, 8)  # numerics case shared by both halves
 LB = -5.0
 D = 128
 CMP = "/tmp/kda_cmp.npz"
-# (block_v, num_warps, num_stages, inverse kernel's warps, two-pass inter stage 0/1); warps are the
-# inter stage's (the pair and W/U kernels keep `INTRA_WARPS`), stages apply to every kernel.
-# `default_inter`'s choices for many / few sequence-heads first, then their nearest neighbours.
-# KDA_CONFIGS="bv,warps,stages,inv[,two_pass];..." replaces the list for one run.
-CONFIGS = [(64, 4, 2, 1, 0), (16, 4, 2, 1, 1), (128, 8, 2, 1, 0), (64, 8, 2, 1, 0),
-           (16, 4, 1, 1, 1), (32, 4, 2, 1, 1)]
+# (block_v, num_warps, num_stages, inverse kernel's warps, inter stage `pallas_kda.INTER_STAGES`);
+# warps are the Triton inter kernels' (the pair and W/U kernels keep `INTRA_WARPS`), stages apply
+# to every Triton kernel. `default_inter`'s Triton choices for many / few sequence-heads first,
+# then their nearest neighbours, then the segmented stage. Every shape also times the call with
+# all defaults ("ours_default_ms").
+# KDA_CONFIGS="bv,warps,stages,inv[,inter];..." replaces the list for one run.
+CONFIGS = [(64, 4, 2, 1, "fused"), (16, 4, 2, 1, "two_pass"), (128, 8, 2, 1, "fused"),
+           (64, 8, 2, 1, "fused"), (16, 4, 1, 1, "two_pass"), (32, 4, 2, 1, "two_pass"),
+           (64, 4, 1, 1, "segments")]
 if os.environ.get("KDA_CONFIGS"):
-    CONFIGS = [(tuple(int(x) for x in item.split(",")) + (0,))[:5]
+    CONFIGS = [tuple(int(x) for x in item.split(",")[:4]) + ((item.split(",") + ["fused"])[4],)
                for item in os.environ["KDA_CONFIGS"].split(";")]
+# the segmented inter stage's numerics: a gentle gate (dt_bias -6: g about -0.01 per step), so
+# the state crosses many chunks and a wrong segment start state shows
+SEGMENTS_CHECK = (1, 16384, 16)
 # the intra stage's pair kernels timed in each config (`pallas_kda.PAIR_KERNELS`);
 # KDA_PAIRS="triton" for one
 PAIRS = os.environ.get("KDA_PAIRS", "triton,mosaic_gpu").split(",")
@@ -163,6 +169,26 @@ def run_jax():
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
+    def segments_numerics():
+        """The segmented inter stage (the default at these few sequence-heads) against the
+        fused Mosaic GPU one and the fp32 reference, and the segment count it took."""
+        from pallas_kernels.kda.segmented_inter import segments_for
+
+        B, T, H = SEGMENTS_CHECK
+        q, k, v, g, beta, A_log, _ = timing_inputs(B, T, H)
+        dt_bias = jnp.full((H * D,), -6.0, jnp.float32)
+        h0 = 0.1 * jax.random.normal(jax.random.PRNGKey(1), (B, H, D, D), jnp.float32)
+        qa, ka, ga, ba = activate(q, k, g, beta, A_log, dt_bias)
+        ref_o, ref_h = chunked_kda(qa, ka, v.astype(jnp.float32), ga, ba, scale=D**-0.5,
+                                   initial_state=h0)
+        run = lambda inter: pallas_chunk_kda_fused_gate(  # noqa: E731
+            q, k, v, g, beta, A_log, dt_bias, lower_bound=LB, initial_state=h0, inter=inter)
+        (os_, hs), (of, hf) = run("segments"), run("fused")
+        return {"shape": [B, T, H], "segments": segments_for(B * H, -(-T // 64)),
+                "segments_vs_ref_o": rel(os_, ref_o), "segments_vs_ref_ht": rel(hs, ref_h),
+                "fused_vs_ref_o": rel(of, ref_o), "fused_vs_ref_ht": rel(hf, ref_h),
+                "segments_vs_fused_o": rel(os_, of), "segments_vs_fused_ht": rel(hs, hf)}
+
     # ---- numerics on the shared case (fla inputs) --------------------------------------
     try:
         x = dict(np.load(CMP)) if os.path.exists(CMP) else np_inputs(*CHECK)
@@ -205,6 +231,7 @@ def run_jax():
             num["fla_vs_ref_ht"] = rel(x["fla_ht"], ref_h)
             num["ours_bf16_vs_fla_o"] = rel(o.astype(jnp.float32), x["fla_o"])
         res["numerics_B1_T2048_H8"] = num
+        res["numerics_segments"] = segments_numerics()
     except Exception:  # keep going to timing
         import traceback
         res["numerics_error"] = traceback.format_exc()[-3000:]
@@ -217,13 +244,15 @@ def run_jax():
     for B, T, H in SHAPES:
         args = timing_inputs(B, T, H)
         name = f"B{B}_T{T}_H{H}"
-        r = {}
-        for (bv, nw, ns, iw, two_pass), pairs, wu, ik in itertools.product(
+        default = jax.jit(lambda *a: pallas_chunk_kda_fused_gate(*a, lower_bound=LB))
+        r = {"ours_default_ms": round(bench(default, args), 4)}
+        for (bv, nw, ns, iw, inter), pairs, wu, ik in itertools.product(
                 CONFIGS, PAIRS, WU_PLACES, INTER_KERNELS):
-            inter = "two_pass" if two_pass else "fused"
-            if ik == "mosaic_gpu" and (inter, wu) != ("fused", "loop"):
-                continue
-            tag = (f"ours_fused_bv{bv}_w{nw}_s{ns}_inv{iw}" + ("_two_pass" if two_pass else "")
+            mosaic_fits = wu == "loop" and inter in ("fused", "segments")
+            if (ik == "mosaic_gpu" and not mosaic_fits) or (ik == "triton" and inter == "segments"):
+                continue  # the Mosaic GPU inter kernels where they fit; segments only on them
+            tag = (f"ours_fused_bv{bv}_w{nw}_s{ns}_inv{iw}"
+                   + ("" if inter == "fused" else f"_{inter}")
                    + f"_{pairs}_pairs_wu_{wu}" + ("_mosaic_gpu_inter" if ik == "mosaic_gpu" else ""))
             try:
                 f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, iw=iw, inter=inter,

@@ -15,13 +15,21 @@ HALF = C  # channels per bf16 128-byte swizzle tile (64), also the chunk's width
 WG = plgpu.Layout.WGMMA
 ROWS, COLS = WG.reduce(1), WG.reduce(0)  # per row / per column of a WGMMA array
 # shared-memory tiles of a wgmma operand or a TMA copy: 128-byte rows, swizzled
-BF16_TILES = (plgpu.TilingTransform((8, HALF)), plgpu.SwizzleTransform(128))
 F32_TILES = (plgpu.TilingTransform((8, HALF // 2)), plgpu.SwizzleTransform(128))
 
 
-def rows(v: jax.Array) -> jax.Array:
-    """A per-row vector [M] broadcast over [M, 64] in the WGMMA layout."""
-    return plgpu.layout_cast(lax.broadcast_in_dim(v, (v.shape[0], HALF), [0]), WG)
+def bf16_tiles(cols: int = HALF) -> tuple:
+    """Tiles of a bf16 array ``cols`` wide (32 or 64): rows of ``2 cols`` bytes, swizzled at that
+    width, so a [*, 32] wgmma operand needs no padding to 64 columns."""
+    return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
+
+
+BF16_TILES = bf16_tiles()
+
+
+def rows(v: jax.Array, width: int = HALF) -> jax.Array:
+    """A per-row vector [M] broadcast over [M, width] in the WGMMA layout."""
+    return plgpu.layout_cast(lax.broadcast_in_dim(v, (v.shape[0], width), [0]), WG)
 
 
 def sigmoid(x: jax.Array) -> jax.Array:

@@ -87,6 +87,7 @@ from pallas_kernels.kda.pallas_intra import (
 )
 from pallas_kernels.kda.pallas_states import sequence_chunks, state_pass
 from pallas_kernels.kda.reference import host_offsets
+from pallas_kernels.kda.segmented_inter import inter_segments, segments_for
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
 _F32 = jnp.float32
@@ -170,14 +171,16 @@ def _is_pow2(n: int) -> bool:
     static_argnames=(
         "scale", "interpret", "fused", "lower_bound", "block_v", "num_warps", "num_stages",
         "intra_warps", "inverse_warps", "inter", "keep_intra", "pairs", "wu", "inter_kernel",
+        "segments",
     ),
 )
 def _pallas_chunk_kda(
     q, k, v, g, beta, initial_state, gate_scale, dt_bias, chunk_offsets=None, *, scale,
     interpret, fused, lower_bound, block_v, num_warps, num_stages, intra_warps, inverse_warps,
-    inter, keep_intra, pairs, wu, inter_kernel,
+    inter, keep_intra, pairs, wu, inter_kernel, segments,
 ):
-    """``chunk_offsets`` (int32 [N + 1], traced) marks a chunk-aligned packed batch (B == 1).
+    """``chunk_offsets`` (int32 [N + 1], traced) marks a chunk-aligned packed batch (B == 1);
+    ``segments``: the segmented inter stage's segments per sequence (Tp a multiple of 64 of them).
     Returns ``(o, final state)``, with ``keep_intra`` also ``(X, Aqk)`` (see ``pallas_chunk_kda``)."""
     B, Tp, H, K = q.shape  # Tp: a multiple of C (padded by the caller)
     V = v.shape[-1]
@@ -199,6 +202,9 @@ def _pallas_chunk_kda(
     if inter == "two_pass":
         return _inter_two_pass(w, u, qg, kd, aqk, gl, initial_state, chunk_offsets, block_v=bv,
                                out_dtype=v.dtype, interpret=interpret, params=params) + kept
+    if inter == "segments":
+        return inter_segments(x, bk, v, beta, qg, kd, aqk, gl, initial_state, segments=segments,
+                              fused=fused, interpret=interpret) + kept
     if inter_kernel == "mosaic_gpu":
         return mosaic_gpu_inter.inter_mgpu(x, bk, v, beta, qg, kd, aqk, gl, initial_state,
                                            fused=fused, interpret=interpret) + kept
@@ -236,7 +242,7 @@ WU = "loop"
 INTER_KERNEL = "mosaic_gpu"
 
 
-def default_inter(sequence_heads: int) -> tuple[str, int, int]:
+def default_inter(sequence_heads: int, segments: int = 1) -> tuple[str, int, int]:
     """``(inter, block_v, num_warps)`` of the inter stage, the fastest measured on an H200
     (benchmarks/RESULTS.md, ninth and tenth runs, with the Mosaic GPU pair kernel).
 
@@ -253,19 +259,19 @@ def default_inter(sequence_heads: int) -> tuple[str, int, int]:
     B1 T32768 H16, where the two-pass stage's 1.97 stays ahead (eleventh run).
     """
     if sequence_heads < FEW_SEQUENCE_HEADS:
-        return "two_pass", 16, 4
+        return ("segments" if segments > 1 else "two_pass"), 16, 4
     return "fused", 64, 4
 
 
 def forms_wu_in_loop(inter: str, wu: str) -> bool:
-    """Whether the inter stage forms W and U in its own loop: only the fused stage can (``wu``
-    asks for it; the two-pass stage always takes the W/U kernel)."""
-    return (inter, wu) == ("fused", "loop")
+    """Whether the inter stage forms W and U in its own loop: the fused and segmented stages can
+    (``wu`` asks for it; the two-pass stage always takes the W/U kernel)."""
+    return inter in ("fused", "segments") and wu == "loop"
 
 
 def mosaic_gpu_inter_fits(inter: str, wu: str, K: int, V: int, dtype, varlen: bool) -> bool:
-    """Whether the inter stage can take ``mosaic_gpu_inter``: the fused stage forming W and U in
-    its loop, on inputs the kernel takes (``mosaic_gpu_inter.takes``)."""
+    """Whether the inter stage can take ``mosaic_gpu_inter``: the fused or segmented stage
+    forming W and U in its loop, on inputs the kernel takes (``mosaic_gpu_inter.takes``)."""
     return forms_wu_in_loop(inter, wu) and mosaic_gpu_inter.takes(K, V, dtype, varlen)
 
 
@@ -318,10 +324,12 @@ def pallas_chunk_kda(
     final state fp32 [B, H, K, V])``. ``interpret`` defaults to True off GPU.
     ``cu_seqlens``: host int offsets [N + 1] of packed sequences (B == 1); then initial_state
     and the final state are [N, H, K, V] and no state crosses a sequence boundary.
-    ``inter``: ``"fused"``, one sequential kernel that also forms o, or ``"two_pass"``, the state
+    ``inter``: ``"fused"``, one sequential kernel that also forms o, ``"two_pass"``, the state
     recurrence alone with every chunk's state stored, then o for all chunks in parallel
-    (``_inter_two_pass``); ``block_v`` and ``num_warps`` are the inter stage's. The three default
-    to ``default_inter`` for the call's number of (sequence, head) pairs. ``num_stages``: every
+    (``_inter_two_pass``), or ``"segments"``, each sequence cut into segments that run side by
+    side (``segmented_inter.py``: the Mosaic GPU kernels, so bf16 v, K and V multiples of 64,
+    K <= 128, no ``cu_seqlens``); ``block_v`` and ``num_warps`` are the Triton inter kernels'.
+    The three default to ``default_inter`` for the call's number of (sequence, head) pairs. ``num_stages``: every
     kernel's Triton pipeline stages, by default ``default_stages``. ``intra_warps``:
     num_warps of the intra stage's pair and W/U kernels; ``inverse_warps``: of its 16x16-block
     inverse kernel. ``return_intra``: also return every chunk's ``(X, Aqk)`` [B, Tp, H, 64]
@@ -393,7 +401,7 @@ def gate_params(A_log: jax.Array, dt_bias: jax.Array, H: int, K: int) -> tuple[j
     return gate_scale, dt_bias.astype(_F32).reshape(H, K)
 
 
-INTER_STAGES = ("fused", "two_pass")
+INTER_STAGES = ("fused", "two_pass", "segments")
 WU_PLACES = ("kernel", "loop")
 INTER_KERNELS = ("triton", "mosaic_gpu")
 
@@ -412,7 +420,11 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
                 f"pallas KDA on GPU needs K and V powers of two >= 16 (Triton), got {bad}"
             )
     n_seq = B if cu_seqlens is None else host_offsets(cu_seqlens, T).size - 1
-    inter_default, block_v_default, warps_default = default_inter(n_seq * H)
+    n_chunks = -(-T // C)
+    varlen = cu_seqlens is not None
+    segmentable = wu == "loop" and mosaic_gpu_inter.takes(K, V, v.dtype, varlen)
+    segments = segments_for(n_seq * H, n_chunks) if segmentable else 1
+    inter_default, block_v_default, warps_default = default_inter(n_seq * H, segments)
     inter = inter_default if inter is None else inter
     block_v = block_v_default if block_v is None else block_v
     num_warps = warps_default if num_warps is None else num_warps
@@ -422,6 +434,13 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         raise ValueError(f"inter: expected one of {INTER_STAGES}, got {inter!r}")
     if wu not in WU_PLACES:
         raise ValueError(f"wu: expected one of {WU_PLACES}, got {wu!r}")
+    if inter == "segments" and (not segmentable or inter_kernel not in (None, "mosaic_gpu")):
+        raise ValueError(
+            f"inter='segments' runs the Mosaic GPU inter kernels: needs wu='loop', bf16 v, K and V "
+            f"multiples of 64 with K <= 128, no cu_seqlens and inter_kernel 'mosaic_gpu' or None, "
+            f"got wu={wu!r}, v {v.dtype}, K={K}, V={V}, cu_seqlens "
+            f"{'given' if varlen else 'None'}, inter_kernel={inter_kernel!r}")
+    segments = max(segments, 2) if inter == "segments" else 1
     num_stages = default_stages(inter, wu) if num_stages is None else num_stages
     pairs = default_pairs(q, k, v, g) if pairs is None else pairs
     if pairs not in PAIR_KERNELS:
@@ -430,7 +449,6 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         raise ValueError(f"pairs='mosaic_gpu' needs bf16 q, k, v, a bf16 or fp32 g and K a "
                          f"multiple of 64, got "
                          f"q {q.dtype}, k {k.dtype}, v {v.dtype}, g {g.dtype}, K={K}")
-    varlen = cu_seqlens is not None
     if inter_kernel is None:
         inter_kernel = default_inter_kernel(inter, wu, K, V, v.dtype, varlen)
     if inter_kernel not in INTER_KERNELS:
@@ -452,23 +470,25 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         block_v=block_v if V % block_v == 0 else V, num_warps=num_warps, num_stages=num_stages,
         intra_warps=intra_warps,
         inverse_warps=inverse_warps, inter=inter, keep_intra=keep_intra, pairs=pairs, wu=wu,
-        inter_kernel=inter_kernel,
+        inter_kernel=inter_kernel, segments=segments,
     )
     if cu_seqlens is not None:
         return _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens,
                             neg, kw)
     if initial_state is None:
         initial_state = jnp.zeros((B, H, K, V), _F32)
-    Tp = -(-T // C) * C
+    Tp = -(-n_chunks // segments) * segments * C  # whole segments of whole chunks
     if Tp != T:
         pad = lambda x, c=0.0: jnp.pad(
             x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2), constant_values=c
         )
         q, k, v, g, beta = pad(q), pad(k), pad(v), pad(g, neg), pad(beta, neg)
-    o, *rest = _pallas_chunk_kda(
+    o, ht, *kept = _pallas_chunk_kda(
         q, k, v, g, beta, initial_state.astype(_F32), gate_scale, dt_bias, **kw
     )
-    return ((o if Tp == T else o[:, :T]), *rest)
+    # (X, Aqk) of whole chunks only, as the backward takes them: no padding segments' chunks
+    kept = [tuple(t[:, :n_chunks * C] for t in intra) for intra in kept]
+    return ((o if Tp == T else o[:, :T]), ht, *kept)
 
 
 def _call_varlen(q, k, v, g, beta, gate_scale, dt_bias, initial_state, cu_seqlens, neg, kw):

@@ -115,6 +115,7 @@ def test_rejects_what_it_cannot_take() -> None:
     with pytest.raises(ValueError, match=r"^inter_kernel: expected one of \('triton', "):
         pallas_chunk_kda(q, k, v, g, beta, interpret=True, inter_kernel="cuda")
     x = jnp.zeros((1, C, 1, C), _BF16)
-    with pytest.raises(ValueError, match=r"^mosaic_gpu_inter: warpgroups=2 must be in"):
+    with pytest.raises(ValueError, match=r"^mosaic_gpu_inter: warpgroups=2 of 64 value columns "
+                                         r"must cover"):
         inter_mgpu(x, x, x, jnp.zeros((1, C, 1)), x, x, x, jnp.zeros((1, 1, 1, C)),
                    jnp.zeros((1, 1, C, C)), fused=False, interpret=True, warpgroups=2)

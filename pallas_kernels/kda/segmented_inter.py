@@ -1,0 +1,89 @@
+"""The KDA forward's inter stage split along time, for few (sequence, head) pairs.
+
+The inter stage is a serial loop over chunks, one CTA per (sequence, head, value block). At B1
+T32768 H16 that is 32 CTAs on 132 SMs, each walking 512 chunks: the loop's latency is the
+forward's critical path (1.15-1.6 of its ~2 ms, benchmarks/RESULTS.md, twelfth run). The state
+recurrence is affine in the state, ``S_end = A S_start + B`` over any chunk range, so the
+sequence can be cut into ``n`` segments that run side by side:
+
+1. every segment's recurrence alone (``mosaic_gpu_inter.states_mgpu``) from ``[s | I]``: the
+   state's columns from a start ``s`` (the initial state for the first segment, zero for the
+   others) and K more from the identity, which the chunks carry through without v. It gives
+   ``[A_j s + B_j | A_j]``: the segment's state from zero and its [K, K] transition matrix;
+2. the segments' start states in order, ``S_{j+1} = A_j S_j + B_j`` (fp32, n - 2 small
+   products: the first segment's pass already started from the initial state);
+3. every segment again from its own start state, now forming o
+   (``mosaic_gpu_inter.inter_mgpu``); the last segment's final state is the sequence's.
+
+Three passes do about 2.5 times the serial stage's work, in ``n`` times the parallelism. Each
+segment is a batch row of the same arrays ([B, n T', ...] read as [B n, T', ...], no copy), so
+the passes are the Mosaic GPU inter kernels unchanged. The caller pads T to whole segments with
+identity steps (k = v = beta = 0, no decay).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.kda.chunk_math import C
+from pallas_kernels.kda.mosaic_gpu_inter import inter_mgpu, states_mgpu
+
+_F32 = jnp.float32
+# Segments per sequence: as many as keep (sequence-heads x segments) within one wave of the
+# H200's 132 SMs at two CTAs per head, each segment at least MIN_SEGMENT_CHUNKS chunks long (the
+# passes' fixed costs then stay small against the loop), and at most MAX_SEGMENTS (the start
+# states are chained one product at a time).
+SEGMENT_HEADS = 128
+MIN_SEGMENT_CHUNKS = 16
+MAX_SEGMENTS = 16
+
+
+def segments_for(sequence_heads: int, n_chunks: int) -> int:
+    """The number of segments (a power of two; 1: do not segment) for a forward with
+    ``sequence_heads`` (sequence, head) pairs of ``n_chunks`` chunks each."""
+    n = 1
+    while (2 * n <= MAX_SEGMENTS and sequence_heads * 2 * n <= SEGMENT_HEADS
+           and n_chunks >= 2 * n * MIN_SEGMENT_CHUNKS):
+        n *= 2
+    return n
+
+
+def _as_segments(x: jax.Array, n: int) -> jax.Array:
+    """[B, n L, ...] -> [B n, L, ...]: segment j of row b is row ``b n + j`` (no copy)."""
+    return x.reshape(x.shape[0] * n, x.shape[1] // n, *x.shape[2:])
+
+
+def _start_states(ends: jax.Array, h0: jax.Array) -> jax.Array:
+    """Every segment's start state [B, n, H, K, V] from pass 1's ``ends`` [B, n, H, K, V + K]
+    (``[A_j s + B_j | A_j]``, s = h0 for the first segment, zero for the others)."""
+    V = h0.shape[-1]
+    starts = [h0, ends[:, 0, ..., :V]]
+    for j in range(1, ends.shape[1] - 1):
+        A, B = ends[:, j, ..., V:], ends[:, j, ..., :V]
+        starts.append(jnp.einsum("bhkj,bhjv->bhkv", A, starts[-1],
+                                 precision=lax.Precision.HIGHEST) + B)
+    return jnp.stack(starts[:ends.shape[1]], axis=1)
+
+
+def inter_segments(x, bk, v, beta, qg, kd, aqk, gl, h0, *, segments: int, fused: bool,
+                   interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """``(o, final state)`` of the fused inter stage (``inter_mgpu``'s inputs and outputs) in
+    ``segments`` segments per sequence; Tp a multiple of ``64 segments``."""
+    B, Tp, H, K = bk.shape
+    V, n = v.shape[-1], segments
+    if n < 2 or Tp % (C * n):
+        raise ValueError(f"inter_segments: segments={n} must be at least 2 and divide the "
+                         f"{Tp // C} chunks of bk {bk.shape}")
+    seg = lambda *xs: [_as_segments(t, n) for t in xs]  # noqa: E731
+    x, bk, v, beta, qg, kd, aqk, gl = seg(x, bk, v, beta, qg, kd, aqk, gl)
+    first = jnp.zeros((B, n, H, K, V), _F32).at[:, 0].set(h0.astype(_F32))
+    eye = jnp.broadcast_to(jnp.eye(K, dtype=_F32), (B, n, H, K, K))
+    per_segment = lambda s: s.reshape(B * n, H, K, s.shape[-1])  # noqa: E731
+    ends = states_mgpu(x, bk, v, beta, kd, gl, per_segment(jnp.concatenate([first, eye], -1)),
+                       fused=fused, interpret=interpret)
+    starts = _start_states(ends.reshape(B, n, H, K, V + K), h0.astype(_F32))
+    o, ht = inter_mgpu(x, bk, v, beta, qg, kd, aqk, gl, per_segment(starts), fused=fused,
+                       interpret=interpret)
+    return o.reshape(B, Tp, H, V), ht.reshape(B, n, H, K, V)[:, -1]
