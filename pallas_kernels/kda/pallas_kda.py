@@ -23,8 +23,11 @@ Two stages:
    ``v_new = X (beta v - bk S)`` itself, so the intra stage skips its W/U kernel.
    Or, with ``inter="two_pass"``, the recurrence alone (``pallas_states.state_pass``, storing every
    chunk's state and ``v_new``) and then ``o`` for all chunks in parallel: half the products in
-   the serial loop, for an HBM round trip of the states; the default for few sequence-heads,
-   where the serial loop is the critical path (``default_inter``).
+   the serial loop, for an HBM round trip of the states. Or, with ``inter="segments"``
+   (``segmented_inter.py``), each sequence cut into segments that run side by side: every
+   segment's state and transition matrix, the segments' start states chained, then the fused
+   loop per segment. With few sequence-heads the serial loop is the critical path, and these two
+   are the defaults there (``default_inter``).
 
 Packed sequences (``cu_seqlens``): the inputs are gathered into a chunk-aligned layout
 (``varlen_layout.py``: each sequence padded to whole chunks, at most ``N * (C - 1)`` extra
@@ -55,9 +58,9 @@ loads/stores with ``pl.ds``, ``jnp`` math, ``lax.fori_loop``), so moving them to
 Mosaic TPU is a rewrite of the memory movement, not of the math. Mosaic GPU kernels are tested on
 CPU in Mosaic GPU's interpreter. Triton constraints: K, V and BV must be powers of two >= 16.
 
-Measured on one H200 (benchmarks/RESULTS.md, eleventh run; fla-core 0.6.0 in a job of the same
-run): B4 T8192 H96 D128 bf16 5.35 ms with the fused activations (fla 9.96 ms), B1 T32768 H16
-1.97 ms (fla 2.26 ms); bf16 error vs the fp32 reference equal to fla's. bf16 inputs take the hardware exp2 /
+Measured on one H200 (benchmarks/RESULTS.md, twelfth run; fla-core 0.6.0 in the same job):
+B4 T8192 H96 D128 bf16 5.35 ms with the fused activations (fla 9.96 ms), B1 T32768 H16 1.26 ms
+with the segmented inter stage (fla 2.24 ms); bf16 error vs the fp32 reference equal to fla's. bf16 inputs take the hardware exp2 /
 reciprocal (``intra_blocks.gate_exp``); fp32 inputs stay exact. Defaults: ``default_inter`` (the
 inter stage's form, block_v and warps by the number of sequence-heads), ``default_pairs``,
 ``WU``, ``INTRA_WARPS``, ``INVERSE_WARPS`` and ``PIPELINE_STAGES``, the fastest measured.
@@ -256,7 +259,10 @@ def default_inter(sequence_heads: int, segments: int = 1) -> tuple[str, int, int
     warps 2.04-2.07 with the W/U kernel). The threshold lies between 16 and 96 and is not itself
     measured. With the Mosaic GPU inter kernel (``default_inter_kernel``; block_v and warps are
     the Triton kernel's) the fused stage took 5.35 / 1.43 ms at B4 / B1 T8192 H96, and 2.70 at
-    B1 T32768 H16, where the two-pass stage's 1.97 stays ahead (eleventh run).
+    B1 T32768 H16, where the two-pass stage's 1.97 stayed ahead (eleventh run). Where the Mosaic
+    GPU kernels fit and the sequences are long enough to cut (``segments``:
+    ``segmented_inter.segments_for``, 1 otherwise), few sequence-heads take the segmented stage:
+    1.26 ms at B1 T32768 H16 in 8 segments, the two-pass stage 1.99 (twelfth run).
     """
     if sequence_heads < FEW_SEQUENCE_HEADS:
         return ("segments" if segments > 1 else "two_pass"), 16, 4

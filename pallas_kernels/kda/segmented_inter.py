@@ -2,21 +2,23 @@
 
 The inter stage is a serial loop over chunks, one CTA per (sequence, head, value block). At B1
 T32768 H16 that is 32 CTAs on 132 SMs, each walking 512 chunks: the loop's latency is the
-forward's critical path (1.15-1.6 of its ~2 ms, benchmarks/RESULTS.md, twelfth run). The state
-recurrence is affine in the state, ``S_end = A S_start + B`` over any chunk range, so the
-sequence can be cut into ``n`` segments that run side by side:
+forward's critical path (1.61 of its 2.30 ms on the H200). The state recurrence is affine in the
+state, ``S_end = A S_start + B`` over any chunk range, so the sequence can be cut into ``n``
+segments that run side by side:
 
 1. every segment's recurrence alone (``mosaic_gpu_inter.states_mgpu``) from ``[s | I]``: the
    state's columns from a start ``s`` (the initial state for the first segment, zero for the
    others) and K more from the identity, which the chunks carry through without v. It gives
    ``[A_j s + B_j | A_j]``: the segment's state from zero and its [K, K] transition matrix;
-2. the segments' start states in order, ``S_{j+1} = A_j S_j + B_j`` (fp32, n - 2 small
-   products: the first segment's pass already started from the initial state);
+2. the segments' start states in order, ``S_{j+1} = A_j S_j + B_j`` (n - 2 small IEEE fp32 XLA
+   products: the first segment's pass already started from the initial state; one Pallas-Triton
+   kernel for the chain was 20x slower);
 3. every segment again from its own start state, now forming o
    (``mosaic_gpu_inter.inter_mgpu``); the last segment's final state is the sequence's.
 
-Three passes do about 2.5 times the serial stage's work, in ``n`` times the parallelism. Each
-segment is a batch row of the same arrays ([B, n T', ...] read as [B n, T', ...], no copy), so
+Three passes do about 2.5 times the serial stage's work, in ``n`` times the parallelism: at B1
+T32768 H16, 8 segments, 0.28 + 0.11 + 0.23 ms for the 1.61 (the forward 1.26 ms against fla's
+2.24; benchmarks/RESULTS.md, twelfth run). Each segment is a batch row of the same arrays ([B, n T', ...] read as [B n, T', ...], no copy), so
 the passes are the Mosaic GPU inter kernels unchanged. The caller pads T to whole segments with
 identity steps (k = v = beta = 0, no decay).
 """
