@@ -33,6 +33,12 @@ CASES = [  # label, experts, kind (gate_up | down), distribution
     ("down_E112", 112, "down", "uniform"),
     ("gate_up_E28_uneven", 28, "gate_up", "uneven"),
 ]
+if os.environ.get("MOE_CASES"):  # "label,label" keeps those cases only
+    CASES = [c for c in CASES if c[0] in os.environ["MOE_CASES"].split(",")]
+# MOE_DEFAULTS_ONLY=1: time each case's default Pallas-Triton config only (not its neighbours)
+DEFAULTS_ONLY = os.environ.get("MOE_DEFAULTS_ONLY") == "1"
+# the Mosaic GPU gate+up kernel's pipeline depths timed beside the Triton configs
+MOSAIC_STAGES = (4, 3)
 
 
 def sizes_for(num_experts: int, dist: str, m: int = M) -> list[int]:
@@ -63,6 +69,7 @@ def part_jax(budget_s: float, tune: bool = False) -> None:
 
     from benchmarks.timing import samples_ms
     from pallas_kernels.moe import pallas_grouped_gemm as pg
+    from pallas_kernels.moe.mosaic_gpu_gate_up import gate_up_situ_mgpu
     from pallas_kernels.moe.reference import _RAGGED_DIMS, situ
 
     t0 = time.time()
@@ -119,10 +126,12 @@ def part_jax(budget_s: float, tune: bool = False) -> None:
         om = pg.grouped_gate_up_situ(x, w1, w3, g, cfg=merged_cfg, out_dtype=jnp.float32, approx_situ=False)
         om2 = pg.grouped_matmul(x, w1, g, cfg=merged_cfg, out_dtype=jnp.float32)
         ref_plain = xla_ref(x, w1, w3, g, False)
-        edge[name] = [rel(o, ref_f), rel(oa, ref_f), rel(o2, ref_plain), rel(om, ref_f), rel(om2, ref_plain)]
+        omg = gate_up_situ_mgpu(x, w1, w3, g)
+        edge[name] = [rel(o, ref_f), rel(oa, ref_f), rel(o2, ref_plain), rel(om, ref_f), rel(om2, ref_plain),
+                      rel(omg, ref_f)]
     res["edge_rel_err"] = edge
-    print("edge cases rel err (gate_up exact, gate_up approx, plain; merged tails: gate_up exact, plain), fp32 out:",
-          edge, flush=True)
+    print("edge cases rel err (gate_up exact, gate_up approx, plain; merged tails: gate_up exact, plain; Mosaic GPU"
+          " gate_up, bf16 out):", edge, flush=True)
     save()
 
     T = pg.TileConfig
@@ -160,13 +169,20 @@ def part_jax(budget_s: float, tune: bool = False) -> None:
         ref = xla_ref(x, w1, w3, gs, fused)
         r = {"experts": num_experts, "M": M, "K": k_dim, "N": n_dim, "dist": dist, "GFLOP": flops / 1e9,
              "ours": {}}
-        cfgs = plan.get(label, [])
+        cfgs = plan.get(label, [])[:1 if DEFAULTS_ONLY else None]
         if dist != "uniform" and kind in best_cfg:
             cfgs = [best_cfg[kind]]  # the best (cfg, approx) of the uniform case
+        if fused and not tune:
+            cfgs = cfgs + [("mosaic_gpu", stages) for stages in MOSAIC_STAGES]
         for cfg, approx in cfgs:
-            tag = cfg.label() + ("_approx" if approx else "")
+            tag = f"mosaic_gpu_s{approx}" if cfg == "mosaic_gpu" else cfg.label() + ("_approx" if approx else "")
             try:
-                if fused:
+                if cfg == "mosaic_gpu":  # (the Mosaic GPU kernel, its stages)
+                    f = jax.jit(functools.partial(gate_up_situ_mgpu, stages=approx))
+                    out = f(x, w1, w3, gs)
+                    err = rel(out, ref)
+                    ms = bench(f, x, w1, w3, gs)
+                elif fused:
                     f = jax.jit(functools.partial(pg.grouped_gate_up_situ, cfg=cfg, approx_situ=approx))
                     out = f(x, w1, w3, gs)
                     err = rel(out, ref)
@@ -186,8 +202,10 @@ def part_jax(budget_s: float, tune: bool = False) -> None:
         if good:
             best_tag = max(good, key=lambda t: good[t]["TFLOPs"])
             r["ours_best"] = {"cfg": best_tag, **good[best_tag]}
-            if dist == "uniform" and kind not in best_cfg:
-                best_cfg[kind] = cfgs[list(r["ours"]).index(best_tag)]
+            triton = [t for t in good if not t.startswith("mosaic_gpu")]
+            if dist == "uniform" and kind not in best_cfg and triton:  # for the uneven case
+                best_triton = max(triton, key=lambda t: good[t]["TFLOPs"])
+                best_cfg[kind] = cfgs[list(r["ours"]).index(best_triton)]
         if tune:
             if num_experts == 28 and fused:  # cost of the tile table (plain XLA ops) alone
                 sched = jax.jit(lambda g: pg._schedule(g, M, 128, n_dim // 2 // 128))

@@ -1,0 +1,129 @@
+"""The Mosaic GPU gate+up SiTU grouped GEMM (``mosaic_gpu_gate_up.py``) in Mosaic GPU's CPU
+interpreter against per-expert fp32 products, its work table, and its lowering for an abstract H200.
+
+Tolerance: bf16 operands with fp32 accumulation, SiTU in fp32, then one rounding to the bf16
+output (relative 2^-9 per element: 1.7e-3 seen over a whole output); 1e-2 leaves room for that,
+while a wrong expert, row offset or column block is off by O(1). Rows of no expert must be exactly
+zero and rows of other tiles untouched, so those are checked exactly.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.moe.mosaic_gpu_gate_up import ALIGN, ROWS, _work_table, gate_up_situ_mgpu
+from pallas_kernels.moe.reference import situ
+from tests.h200_lowering import lowered_for_h200
+
+_BF16, _F32 = jnp.bfloat16, jnp.float32
+TOL = 1e-2
+
+
+def _expected(x, w1, w3, sizes) -> np.ndarray:
+    """Per-expert fp32 products and SiTU; rows past sum(sizes) zero."""
+    out = np.zeros((x.shape[0], w1.shape[1]), np.float32)
+    xs, start = x.astype(_F32), 0
+    for e, count in enumerate(sizes):
+        rows = xs[start:start + count]
+        out[start:start + count] = situ(rows @ w1[e].astype(_F32).T, rows @ w3[e].astype(_F32).T,
+                                        4.0, 25.0)
+        start += count
+    return out
+
+
+def _case(seed: int, m: int, e: int, k: int = 128, n: int = 256):
+    r = np.random.default_rng(seed)
+    x = jnp.asarray(r.standard_normal((m, k)), _BF16)
+    w1, w3 = (jnp.asarray(r.standard_normal((e, n, k)) / np.sqrt(k), _BF16) for _ in range(2))
+    return x, w1, w3
+
+
+# unaligned expert starts with an empty expert and rows of no expert; every row to one expert;
+# fewer rows than a tile (x padded); a row count that is no multiple of 8 (the last tile reads
+# past x)
+@pytest.mark.parametrize("m, sizes", [(300, [100, 0, 150]), (256, [0, 256, 0]), (40, [7, 33, 0]),
+                                      (301, [1, 170, 130])],
+                         ids=["empty expert and spare rows", "one expert", "rows < tile",
+                              "M % 8 != 0"])
+def test_matches_per_expert_products(m: int, sizes: list[int]) -> None:
+    x, w1, w3 = _case(0, m, len(sizes))
+    out = gate_up_situ_mgpu(x, w1, w3, jnp.asarray(sizes, jnp.int32), num_sms=4, interpret=True)
+    want = _expected(x, w1, w3, sizes)
+    got = np.asarray(out.astype(_F32))
+    assert out.shape == (m, w1.shape[1]) and out.dtype == _BF16
+    used = sum(sizes)
+    assert np.linalg.norm(got[:used] - want[:used]) <= TOL * np.linalg.norm(want[:used])
+    for e, start in enumerate(np.cumsum([0] + sizes[:-1])):  # each expert on its own
+        rows = slice(start, start + sizes[e])
+        assert np.linalg.norm(got[rows] - want[rows]) <= TOL * max(np.linalg.norm(want[rows]), 1e-6)
+    assert np.all(got[used:] == 0)
+
+
+def test_three_stages_agree_with_four() -> None:
+    x, w1, w3 = _case(1, 200, 2, k=256)
+    sizes = jnp.asarray([90, 110], jnp.int32)
+    run = lambda s: gate_up_situ_mgpu(x, w1, w3, sizes, num_sms=2, stages=s, interpret=True)  # noqa: E731
+    assert jnp.array_equal(run(3), run(4))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_work_table_covers_each_row_once(seed: int) -> None:
+    """Every row of every column block stored by exactly one tile of its own expert, each tile
+    loading ROWS rows from a multiple of 8 that contain the rows it stores."""
+    r = np.random.default_rng(seed)
+    e, blocks = 9, 3
+    sizes = r.integers(0, 300, e) * (r.random(e) > 0.3)
+    m = int(sizes.sum()) + int(r.integers(0, 50))
+    table = np.asarray(_work_table(jnp.asarray(sizes, jnp.int32), m, blocks))
+    load, start, end, group, block = table.T
+    expert_of_row = np.concatenate([np.repeat(np.arange(e), sizes), np.full(m - sizes.sum(), e)])
+    live = end > start
+    assert np.all(load[live] % ALIGN == 0)
+    assert np.all((load[live] <= start[live]) & (end[live] <= load[live] + ROWS))
+    covered = np.zeros((blocks, m), int)
+    for lo, hi, g, b in zip(start[live], end[live], group[live], block[live]):
+        assert np.all(expert_of_row[lo:hi] == g)
+        covered[b, lo:hi] += 1
+    assert np.all(covered == 1)
+
+
+def test_lowers_for_h200() -> None:
+    """K3's per-GPU gate+up (3584 -> 2 x 3072, 28 experts): one Mosaic GPU custom call, under the
+    shared-memory budget of the layout inference."""
+    S = jax.ShapeDtypeStruct
+    e, m, k, n = 28, 16384, 3584, 3072
+    text = lowered_for_h200(lambda *a: gate_up_situ_mgpu(*a), S((m, k), _BF16), S((e, n, k), _BF16),
+                            S((e, n, k), _BF16), S((e,), jnp.int32))
+    assert len(re.findall(r"custom_call @mosaic_gpu_v2\(", text)) == 1
+    assert "k3_moe_gate_up_situ_mgpu" in text
+
+
+def test_rejects_what_it_cannot_take() -> None:
+    x, w1, w3 = _case(2, 64, 2)
+    sizes = jnp.asarray([32, 32], jnp.int32)
+    with pytest.raises(ValueError, match=r"^gate_up_situ_mgpu: wants bf16 x .* got x float32"):
+        gate_up_situ_mgpu(x.astype(_F32), w1, w3, sizes, interpret=True)
+    with pytest.raises(ValueError, match=r"N % 128 == 0, .* w1 bfloat16 \(2, 192, 128\)"):
+        gate_up_situ_mgpu(x, w1[:, :192], w3[:, :192], sizes, interpret=True)
+
+
+@pytest.mark.parametrize("experts, on_mosaic", [(28, True), (112, False)])
+def test_expert_mlp_forward_takes_it_for_large_groups(experts: int, on_mosaic: bool) -> None:
+    """The routed experts' forward on the GPU (lowered for an abstract H200, K3 widths, 16384
+    rows): gate+up in this kernel where the Triton kernel would take its large-group tiles (28
+    experts, 585 rows each), the Triton merged-tail kernel at 112 (146 rows each); down in Triton."""
+    from pallas_kernels.moe.pallas_experts import grouped_expert_mlp
+
+    S = jax.ShapeDtypeStruct
+    m, d, f = 16384, 3584, 3072
+    args = (S((m, d), _BF16), S((experts,), jnp.int32), S((experts, f, d), _BF16),
+            S((experts, d, f), _BF16), S((experts, f, d), _BF16))
+    text = lowered_for_h200(lambda rows, gs, w1, w2, w3: grouped_expert_mlp(
+        rows, gs, w1, w2, w3, beta=4.0, linear_beta=25.0, interpret=False), *args)
+    assert ("k3_moe_gate_up_situ_mgpu" in text) == on_mosaic
+    assert text.count("__gpu$xla.gpu.triton") == (1 if on_mosaic else 2)
