@@ -121,20 +121,22 @@ def _body(meta_ref, x_ref, w1_ref, w3_ref, o_ref, *, n_programs: int, n_groups: 
             group, block = meta_ref[p, 3], meta_ref[p, 4]
             count = row_end - row_start
             real = group < n_groups  # the virtual expert past sum(group_sizes) stores zeros
-            expert = jnp.minimum(group, n_groups - 1)
             cols = pl.ds(pl.multiple_of(block * COLS, COLS), COLS)
+
+            def stage_and_store(h):
+                """A compute warpgroup's [ROWS, HALF] output tile, its own rows to HBM."""
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores
+                staging[w] = h
+                plgpu.commit_smem()
+                mine = pl.multiple_of(block * COLS + w * HALF, HALF)
+                _store_rows(staging.at[w], o_ref.at[:, pl.ds(mine, HALF)], row_start - load,
+                            row_start, count)
 
             def context(run):
                 def accumulate(acc_g, acc_u):
                     run((acc_g, acc_u))
-                    h = _situ(acc_g[...], acc_u[...], beta, linear_beta)
-                    h = (h * real.astype(_F32)).astype(o_ref.dtype)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores
-                    staging[w] = h
-                    plgpu.commit_smem()
-                    mine = pl.multiple_of(block * COLS + w * HALF, HALF)
-                    _store_rows(staging.at[w], o_ref.at[:, pl.ds(mine, HALF)], row_start - load,
-                                row_start, count)
+                    stage_and_store(_situ(acc_g[...], acc_u[...], beta, linear_beta)
+                                    .astype(o_ref.dtype))
 
                 pl.run_scoped(accumulate, plgpu.ACC((ROWS, HALF), _F32),
                               plgpu.ACC((ROWS, HALF), _F32))
@@ -146,11 +148,15 @@ def _body(meta_ref, x_ref, w1_ref, w3_ref, o_ref, *, n_programs: int, n_groups: 
                 plgpu.wgmma_wait(2)  # the last step's products are done: its slot is released
                 return accs
 
-            @pl.when(count > 0)
+            @pl.when((count > 0) & real)
             def _():
                 pipeline(step, context)(x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), ROWS)],
-                                        w1_ref.at[expert, cols], w3_ref.at[expert, cols],
+                                        w1_ref.at[group, cols], w3_ref.at[group, cols],
                                         allocations=buffers)
+
+            @pl.when((count > 0) & ~real & (w < 2))  # the compute warpgroups, no products
+            def _():
+                stage_and_store(jnp.zeros((ROWS, HALF), o_ref.dtype))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -158,7 +164,7 @@ def _body(meta_ref, x_ref, w1_ref, w3_ref, o_ref, *, n_programs: int, n_groups: 
                   collective_axes="wg")
 
 
-def takes(x: jax.Array, w1, group_sizes: jax.Array) -> bool:
+def takes(x: jax.Array, w1) -> bool:
     """Whether the kernel takes these operands: bf16 x and dense bf16 weights [E, N, K] with K a
     multiple of 64 and N of 128."""
     return (isinstance(w1, jax.Array) and x.dtype == _BF16 and w1.dtype == _BF16 and w1.ndim == 3
@@ -174,13 +180,16 @@ def gate_up_situ_mgpu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: j
     w1, w3 [E, N, K] bf16, group_sizes [E] int32 -> [M, N] bf16. ``num_sms``: persistent CTAs (the
     H200's 132); ``stages``: k steps of tiles in flight. ``interpret``: Mosaic GPU's CPU
     interpreter (tests)."""
-    if not takes(x, w1, group_sizes) or w3.shape != w1.shape or w3.dtype != w1.dtype:
+    if not takes(x, w1) or w3.shape != w1.shape or w3.dtype != w1.dtype:
         raise ValueError(f"gate_up_situ_mgpu: wants bf16 x [M, K] and w1, w3 [E, N, K] with K % "
                          f"{DEPTH} == 0 and N % {COLS} == 0, got x {x.dtype} {x.shape}, w1 "
                          f"{getattr(w1, 'dtype', type(w1))} {w1.shape}, w3 {w3.dtype} {w3.shape}")
     m0, n = x.shape[0], w1.shape[1]
-    if m0 < ROWS:  # a tile's x copy is ROWS tall: no taller than x
-        x = jnp.pad(x, ((0, ROWS - m0), (0, 0)))
+    # x's TMA descriptor tiles it by 8 rows, and a tile's copy (ROWS rows) may be no taller than x;
+    # the model's row counts (tokens x top-k) are multiples of 16, so this copy is for odd callers
+    rows = max(ROWS, -(-m0 // ALIGN) * ALIGN)
+    if rows != m0:
+        x = jnp.pad(x, ((0, rows - m0), (0, 0)))
     m = x.shape[0]
     meta = _work_table(group_sizes, m, n // COLS)
     kernel = plgpu.kernel(

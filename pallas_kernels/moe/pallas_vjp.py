@@ -92,7 +92,7 @@ def _fit_tn(cfg: TileConfig, p: int, q: int) -> TileConfig:
     return dataclasses.replace(fitted, block_m=fitted.block_k, block_k=cfg.block_k)
 
 
-def gate_up_on_mosaic_gpu(rows, w1, group_sizes, gate_up_cfg: TileConfig, interpret: bool) -> bool:
+def gate_up_on_mosaic_gpu(rows, w1, gate_up_cfg: TileConfig, interpret: bool) -> bool:
     """Whether the forward's gate+up runs ``mosaic_gpu_gate_up`` instead of the Triton kernel: on the GPU,
     bf16 rows and weights, where the Triton kernel would take its large-group tiles (``GATE_UP_DEFAULT``).
     On the H200 at 28 experts x 16384 rows: 545 vs 535 TFLOP/s with uniform groups, 611 vs 530 uneven
@@ -100,12 +100,12 @@ def gate_up_on_mosaic_gpu(rows, w1, group_sizes, gate_up_cfg: TileConfig, interp
     (benchmarks/RESULTS.md, 2026-12-04). The interpreter (CPU) keeps the Triton kernel, which the model's
     CPU tests run; the Mosaic GPU kernel has its own interpreter tests."""
     return (not interpret and gate_up_cfg == GATE_UP_DEFAULT
-            and mosaic_gpu_gate_up.takes(rows, w1, group_sizes))
+            and mosaic_gpu_gate_up.takes(rows, w1))
 
 
 def _forward(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate_up_cfg, down_cfg):
     hidden, d_in, d_out = w1.shape[1], rows.shape[1], w2.shape[1]
-    if gate_up_on_mosaic_gpu(rows, w1, group_sizes, gate_up_cfg, interpret):
+    if gate_up_on_mosaic_gpu(rows, w1, gate_up_cfg, interpret):
         h = mosaic_gpu_gate_up.gate_up_situ_mgpu(rows, w1, w3, group_sizes, beta=beta,
                                                  linear_beta=linear_beta)
     else:
