@@ -428,7 +428,8 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
     n_seq = B if cu_seqlens is None else host_offsets(cu_seqlens, T).size - 1
     n_chunks = -(-T // C)
     varlen = cu_seqlens is not None
-    segmentable = wu == "loop" and mosaic_gpu_inter.takes(K, V, v.dtype, varlen)
+    segmentable = (wu == "loop" and inter_kernel in (None, "mosaic_gpu")
+                   and mosaic_gpu_inter.takes(K, V, v.dtype, varlen))
     segments = segments_for(n_seq * H, n_chunks) if segmentable else 1
     inter_default, block_v_default, warps_default = default_inter(n_seq * H, segments)
     inter = inter_default if inter is None else inter
@@ -440,7 +441,7 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
         raise ValueError(f"inter: expected one of {INTER_STAGES}, got {inter!r}")
     if wu not in WU_PLACES:
         raise ValueError(f"wu: expected one of {WU_PLACES}, got {wu!r}")
-    if inter == "segments" and (not segmentable or inter_kernel not in (None, "mosaic_gpu")):
+    if inter == "segments" and not segmentable:
         raise ValueError(
             f"inter='segments' runs the Mosaic GPU inter kernels: needs wu='loop', bf16 v, K and V "
             f"multiples of 64 with K <= 128, no cu_seqlens and inter_kernel 'mosaic_gpu' or None, "

@@ -28,7 +28,9 @@ from pallas_kernels.kda.pallas_kda import (
     default_inter, pallas_chunk_kda, pallas_chunk_kda_fused_gate,
 )
 from pallas_kernels.kda.reference import chunked_kda
-from pallas_kernels.kda.segmented_inter import _as_segments, inter_segments, segments_for
+from pallas_kernels.kda.segmented_inter import (
+    MIN_SEGMENT_CHUNKS, _as_segments, inter_segments, segments_for,
+)
 from tests.h200_lowering import lowered_for_h200
 from tests.kda.kda_cases import as_f32, kda_case, rel
 
@@ -122,6 +124,17 @@ def test_segment_count_and_default() -> None:
     assert segments_for(1, 10**6) == 16  # at most MAX_SEGMENTS
     assert default_inter(16, 8)[0] == "segments" and default_inter(16, 1)[0] == "two_pass"
     assert default_inter(96, 8)[0] == "fused"
+
+
+def test_naming_the_triton_inter_kernel_keeps_the_two_pass_default() -> None:
+    """Few sequence-heads with ``inter_kernel="triton"``: no segments (they run on the Mosaic GPU
+    kernels) but the two-pass stage, as before segments existed: the same arrays as asking for it."""
+    assert segments_for(1, 2 * MIN_SEGMENT_CHUNKS) == 2  # by default these would be segmented
+    x = as_f32(kda_case(np.random.default_rng(5), 1, 2 * MIN_SEGMENT_CHUNKS * C, 1, 64, 64))
+    ins = [x[n].astype(_BF16) for n in ("q", "k", "v", "g")] + [x["beta"]]
+    o, s = pallas_chunk_kda(*ins, interpret=True, inter_kernel="triton")
+    o_ref, s_ref = pallas_chunk_kda(*ins, interpret=True, inter="two_pass", inter_kernel="triton")
+    assert jnp.array_equal(o, o_ref) and jnp.array_equal(s, s_ref)
 
 
 def test_rejects_what_it_cannot_take() -> None:
