@@ -31,6 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.moe.pallas_grouped_gemm import situ_f32, group_bounds, tile_programs
+
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 ROWS, COLS, DEPTH = 128, 128, 64  # a tile's rows, its weight rows (per gate / up), k per step
 HALF = COLS // 2  # each compute warpgroup's columns
@@ -45,38 +47,19 @@ def _work_table(group_sizes: jax.Array, num_rows: int, num_col_blocks: int) -> j
     expert, column block). Expert e's rows [s, t) take tiles loading ROWS rows from
     ``a = 8 floor(s / 8) + ROWS j`` and storing ``[max(s, a), min(t, a + ROWS))``. Rows past
     sum(group_sizes) form expert E (stored as zeros). Sized for the worst case (each expert adds at
-    most one tile and 7 rows); the rest are idle (first row == end row). Closed-form broadcasts, as
-    ``pallas_grouped_gemm._schedule``, so XLA fuses it into a few tiny kernels."""
+    most one tile and 7 rows); the rest are idle (first row == end row). Groups and program order
+    as ``pallas_grouped_gemm._schedule``'s (``group_bounds``, ``tile_programs``)."""
     n_groups = group_sizes.shape[0]
-    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), num_rows)
-    ends = jnp.concatenate([ends, jnp.full((1,), num_rows, jnp.int32)])  # [E + 1]
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
-    first = starts // ALIGN * ALIGN
-    tiles = jnp.where(ends > starts, (ends - first + ROWS - 1) // ROWS, 0)
-    tile_off = jnp.cumsum(tiles) - tiles
-    prog_end = (tile_off + tiles) * num_col_blocks
+    starts, sizes = group_bounds(group_sizes, num_rows)
+    ends, first = starts + sizes, starts // ALIGN * ALIGN
+    tiles = jnp.where(sizes > 0, (ends - first + ROWS - 1) // ROWS, 0)
     n_programs = (pl.cdiv(num_rows + ALIGN * (n_groups + 1), ROWS) + n_groups + 1) * num_col_blocks
-    p = jnp.arange(n_programs, dtype=jnp.int32)
-    group = jnp.sum(p[:, None] >= prog_end[None, :], axis=1, dtype=jnp.int32)
-    valid = group <= n_groups
-    group = jnp.minimum(group, n_groups)
-    q = p - tile_off[group] * num_col_blocks
-    per = jnp.maximum(tiles[group], 1)
-    block, local = q // per, q % per  # column block major, row tiles fastest
+    group, local, block, valid = tile_programs(tiles, num_col_blocks, n_programs)
     load = first[group] + local * ROWS
     row_start = jnp.where(valid, jnp.maximum(starts[group], load), 0)
     row_end = jnp.where(valid, jnp.minimum(ends[group], load + ROWS), 0)
     return jnp.stack([jnp.where(valid, load, 0), row_start, row_end, group,
                       jnp.where(valid, block, 0)], axis=1).astype(jnp.int32)
-
-
-def _situ(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None) -> jax.Array:
-    """``beta tanh(g / beta) sigmoid(g) * linear_beta tanh(u / linear_beta)`` in fp32 (as
-    ``pallas_grouped_gemm._situ_f32``); the sigmoid as ``1 / (1 + exp(-g))``, accurate in relative
-    terms for any g."""
-    gate = beta * jnp.tanh(g * (1.0 / beta)) * (1.0 / (1.0 + jnp.exp(-g)))
-    up = u if linear_beta is None else linear_beta * jnp.tanh(u * (1.0 / linear_beta))
-    return gate * up
 
 
 def _store_rows(staged, out, offset, start, count):
@@ -135,8 +118,9 @@ def _body(meta_ref, x_ref, w1_ref, w3_ref, o_ref, *, n_programs: int, n_groups: 
             def context(run):
                 def accumulate(acc_g, acc_u):
                     run((acc_g, acc_u))
-                    stage_and_store(_situ(acc_g[...], acc_u[...], beta, linear_beta)
-                                    .astype(o_ref.dtype))
+                    # the exact ops: approx_math makes them the fast hardware forms
+                    h = situ_f32(acc_g[...], acc_u[...], beta, linear_beta, approx=False)
+                    stage_and_store(h.astype(o_ref.dtype))
 
                 pl.run_scoped(accumulate, plgpu.ACC((ROWS, HALF), _F32),
                               plgpu.ACC((ROWS, HALF), _F32))

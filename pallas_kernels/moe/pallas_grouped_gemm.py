@@ -213,6 +213,31 @@ def _row_tiling(sizes: jax.Array, block_m: int, tail: int) -> tuple[jax.Array, j
     return jnp.where(use_b, tiles_b, tiles_a), jnp.where(use_b, stride_b, block_m)
 
 
+def group_bounds(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """(starts, sizes) int32 [E + 1] of each group's rows, sizes clipped to num_rows; the extra
+    group E holds the rows past sum(group_sizes) (a virtual expert whose rows come out zero)."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), num_rows)
+    sizes = jnp.concatenate([jnp.diff(ends, prepend=0), num_rows - ends[-1:]]).astype(jnp.int32)
+    return jnp.cumsum(sizes) - sizes, sizes
+
+
+def tile_programs(tiles: jax.Array, num_n_blocks: int, num_programs: int):
+    """Programs numbered over groups' row tiles: (group, local tile, column block, valid) for
+    programs 0 .. num_programs - 1, given each group's tile count [E + 1]. Groups in
+    order; inside a group column-block-major with the row tiles fastest, so co-resident programs
+    share a weight block. Programs past the last tile get valid False (group clamped to E)."""
+    tile_off = jnp.cumsum(tiles) - tiles  # first tile of each group
+    prog_end = (tile_off + tiles) * num_n_blocks  # programs of group g: [tile_off[g] * NB, prog_end[g])
+    p = jnp.arange(num_programs, dtype=jnp.int32)
+    grp = jnp.sum(p[:, None] >= prog_end[None, :], axis=1, dtype=jnp.int32)  # empty groups are skipped
+    num_groups = tiles.shape[0] - 1
+    valid = grp <= num_groups
+    grp = jnp.minimum(grp, num_groups)
+    q = p - tile_off[grp] * num_n_blocks
+    per = jnp.maximum(tiles[grp], 1)
+    return grp, q % per, q // per, valid
+
+
 def _schedule(group_sizes: jax.Array, num_rows: int, block_m: int, num_n_blocks: int,
               merge_rows: int = 0) -> jax.Array:
     """int32 [P, 4] table, one row per program: (row_start, row_end, expert, n_block).
@@ -224,26 +249,16 @@ def _schedule(group_sizes: jax.Array, num_rows: int, block_m: int, num_n_blocks:
     over [P] x [E+1] (no sort, scatter or search loop), so XLA fuses it into a couple of tiny kernels.
     """
     num_groups = group_sizes.shape[0]
-    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), num_rows)
-    sizes = jnp.concatenate([jnp.diff(ends, prepend=0), num_rows - ends[-1:]]).astype(jnp.int32)  # [E+1]
-    starts = jnp.cumsum(sizes) - sizes
+    starts, sizes = group_bounds(group_sizes, num_rows)
     if merge_rows:
         tiles, stride = _row_tiling(sizes, block_m, merge_rows)
     else:
         tiles, stride = (sizes + block_m - 1) // block_m, jnp.full_like(sizes, block_m)
-    tile_off = jnp.cumsum(tiles) - tiles  # first tile of each group
-    prog_end = (tile_off + tiles) * num_n_blocks  # programs of group g: [tile_off[g] * NB, prog_end[g])
     num_programs = (pl.cdiv(num_rows, block_m) + num_groups) * num_n_blocks
-    p = jnp.arange(num_programs, dtype=jnp.int32)
-    grp = jnp.sum(p[:, None] >= prog_end[None, :], axis=1, dtype=jnp.int32)  # empty groups are skipped
-    valid = grp <= num_groups
-    grp = jnp.minimum(grp, num_groups)
-    # Inside a group: column-block-major, row tiles fastest (co-resident programs share a weight block).
-    q = p - tile_off[grp] * num_n_blocks
-    per = jnp.maximum(tiles[grp], 1)
-    n_block, local = q // per, q % per
+    grp, local, n_block, valid = tile_programs(tiles, num_n_blocks, num_programs)
     row_start = starts[grp] + local * stride[grp]
     group_end = starts[grp] + sizes[grp]
+    per = jnp.maximum(tiles[grp], 1)
     row_end = jnp.where(local == per - 1, group_end, row_start + stride[grp])  # the last tile takes the rest
     row_start = jnp.where(valid, row_start, 0)
     row_end = jnp.where(valid, row_end, 0)
@@ -265,7 +280,7 @@ def mma_rows(group_sizes: jax.Array, num_rows: int, cfg: TileConfig) -> jax.Arra
     return jnp.sum(jnp.where((count > 0) & (table[:, 2] < group_sizes.shape[0]), height, 0))
 
 
-def _situ_f32(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None, approx: bool) -> jax.Array:
+def situ_f32(g: jax.Array, u: jax.Array, beta: float, linear_beta: float | None, approx: bool) -> jax.Array:
     """SiTU in fp32; sigmoid(g) = 1 / (1 + exp(-g)) (accurate in relative terms for any g).
 
     Exact: libdevice __nv_tanhf, expf and an IEEE division. With ``approx``: the PTX tanh.approx.f32
@@ -338,7 +353,7 @@ def _kernel(meta_ref, x_ref, *refs, num_rows, num_groups, cfg: TileConfig, fused
         accs = jax.lax.fori_loop(0, num_k, body, (zeros, zeros) if fused else (zeros,))
         for part, (h, off) in enumerate(zip(heights, offsets)):
             if fused:
-                out = _situ_f32(accs[0][part], accs[1][part], beta, linear_beta, approx)
+                out = situ_f32(accs[0][part], accs[1][part], beta, linear_beta, approx)
             else:
                 out = accs[0][part]
             out = out.astype(o_ref.dtype)
