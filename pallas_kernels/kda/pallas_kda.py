@@ -428,8 +428,8 @@ def _call(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, interpret
     n_seq = B if cu_seqlens is None else host_offsets(cu_seqlens, T).size - 1
     n_chunks = -(-T // C)
     varlen = cu_seqlens is not None
-    segmentable = (wu == "loop" and inter_kernel in (None, "mosaic_gpu")
-                   and mosaic_gpu_inter.takes(K, V, v.dtype, varlen))
+    segmentable = (inter_kernel in (None, "mosaic_gpu")
+                   and mosaic_gpu_inter_fits("segments", wu, K, V, v.dtype, varlen))
     segments = segments_for(n_seq * H, n_chunks) if segmentable else 1
     inter_default, block_v_default, warps_default = default_inter(n_seq * H, segments)
     inter = inter_default if inter is None else inter

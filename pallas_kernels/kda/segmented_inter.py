@@ -18,8 +18,9 @@ segments that run side by side:
 
 Three passes do about 2.5 times the serial stage's work, in ``n`` times the parallelism: at B1
 T32768 H16, 8 segments, 0.28 + 0.11 + 0.23 ms for the 1.61 (the forward 1.26 ms against fla's
-2.24; benchmarks/RESULTS.md, twelfth run). Each segment is a batch row of the same arrays ([B, n T', ...] read as [B n, T', ...], no copy), so
-the passes are the Mosaic GPU inter kernels unchanged. The caller pads T to whole segments with
+2.24; benchmarks/RESULTS.md, twelfth run). Each segment is a batch row of the same arrays
+([B, n T', ...] read as [B n, T', ...], no copy), so the passes are the Mosaic GPU inter kernels
+unchanged. The caller pads T to whole segments with
 identity steps (k = v = beta = 0, no decay).
 """
 
@@ -66,7 +67,7 @@ def _start_states(ends: jax.Array, h0: jax.Array) -> jax.Array:
         A, B = ends[:, j, ..., V:], ends[:, j, ..., :V]
         starts.append(jnp.einsum("bhkj,bhjv->bhkv", A, starts[-1],
                                  precision=lax.Precision.HIGHEST) + B)
-    return jnp.stack(starts[:ends.shape[1]], axis=1)
+    return jnp.stack(starts, axis=1)
 
 
 def inter_segments(x, bk, v, beta, qg, kd, aqk, gl, h0, *, segments: int, fused: bool,
