@@ -119,3 +119,17 @@ def test_rejects_what_it_cannot_take() -> None:
                                          r"must cover"):
         inter_mgpu(x, x, x, jnp.zeros((1, C, 1)), x, x, x, jnp.zeros((1, 1, 1, C)),
                    jnp.zeros((1, 1, C, C)), fused=False, interpret=True, warpgroups=2)
+
+
+def test_32_value_columns_per_warpgroup_match_64() -> None:
+    """``value_cols=32`` (twice the CTAs per head, [*, 32] operands in a 64-byte swizzle) against
+    the default 64 columns: the same products per column, so the same outputs to fp32 summation
+    order (``TOL``), over two chunks."""
+    q, k, v, g, beta, s0 = _bf16_case(4, 2 * C, 2, 64, 128)
+    x, bk, _, _, qg, kd, aqk, gl = intra_stage(
+        (q, k, v, g, beta), scale=64**-0.5, fused=False, lower_bound=-5.0, interpret=True,
+        params={}, inverse_params={}, pairs="mosaic_gpu", with_wu=False)
+    run = lambda cols: inter_mgpu(x, bk, v, beta, qg, kd, aqk, gl, s0, fused=False,  # noqa: E731
+                                  interpret=True, value_cols=cols)
+    (o32, s32), (o64, s64) = run(32), run(64)
+    assert rel(o32.astype(_F32), o64.astype(_F32)) <= TOL and rel(s32, s64) <= TOL
