@@ -40,8 +40,8 @@ def routed_experts(
     benchmarks/RESULTS.md) and "xla" elsewhere (CPU; TPU until the Mosaic-TPU kernel exists; fp32, which
     must stay exact). "xla" runs the dropless sorted `lax.ragged_dot` path; "dense" runs every expert on every
     token (the oracle); "pallas" runs the Pallas grouped GEMMs (gate+up+SiTU fused, then down; see
-    pallas_grouped_gemm.py): compiled through Pallas-Triton on GPU (the forward's gate+up through Mosaic GPU
-    for large groups, mosaic_gpu_gate_up.py), interpret mode elsewhere (tests only).
+    pallas_grouped_gemm.py): compiled through Pallas-Triton on GPU (the forward's gate+up and down through
+    Mosaic GPU for large groups, mosaic_gpu_grouped_gemm.py), interpret mode elsewhere (tests only).
 
     Weights may be `MXFP4Experts` (uint8 E2M1 codes + E8M0 scales, kept packed in HBM at 4.25 bits per
     weight). The Pallas kernels on a GPU read them packed and decode each tile in registers when the batch

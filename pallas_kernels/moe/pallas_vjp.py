@@ -43,9 +43,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe import mosaic_gpu_gate_up
+from pallas_kernels.moe import mosaic_gpu_grouped_gemm
 from pallas_kernels.moe.pallas_grouped_gemm import (
-    GATE_UP_DEFAULT, TileConfig, for_weights, grouped_gate_up_situ, grouped_matmul, grouped_matmul_tn,
+    DOWN_DEFAULT, GATE_UP_DEFAULT, TileConfig, for_weights, grouped_gate_up_situ, grouped_matmul, grouped_matmul_tn,
 )
 from pallas_kernels.moe.reference import MXFP4Experts, decode_experts
 
@@ -92,25 +92,26 @@ def _fit_tn(cfg: TileConfig, p: int, q: int) -> TileConfig:
     return dataclasses.replace(fitted, block_m=fitted.block_k, block_k=cfg.block_k)
 
 
-def gate_up_on_mosaic_gpu(rows, w1, gate_up_cfg: TileConfig, interpret: bool) -> bool:
-    """Whether the forward's gate+up runs ``mosaic_gpu_gate_up`` instead of the Triton kernel: on the GPU,
-    bf16 rows and weights, where the Triton kernel would take its large-group tiles (``GATE_UP_DEFAULT``).
-    On the H200 at 28 experts x 16384 rows: 545 vs 535 TFLOP/s with uniform groups, 611 vs 530 uneven
-    (torch._grouped_mm 531 / 567); at 112 experts the Triton kernel's merged tails stay ahead, 423 vs 376
-    (benchmarks/RESULTS.md, 2026-12-04). The interpreter (CPU) keeps the Triton kernel, which the model's
-    CPU tests run; the Mosaic GPU kernel has its own interpreter tests."""
-    return (not interpret and gate_up_cfg == GATE_UP_DEFAULT
-            and mosaic_gpu_gate_up.takes(rows, w1))
+def on_mosaic_gpu(rows, w, cfg: TileConfig, large_groups: TileConfig, block_cols: int,
+                  interpret: bool) -> bool:
+    """Whether a forward GEMM runs the Mosaic GPU kernels (``mosaic_gpu_grouped_gemm``) instead of the Triton
+    ones: on the GPU, bf16 rows and weights, where the Triton kernel would take its large-group tiles
+    (``large_groups``: GATE_UP_DEFAULT or DOWN_DEFAULT). At 112 experts the Triton kernels' merged tails
+    stay ahead (benchmarks/RESULTS.md). The interpreter (CPU) keeps the Triton kernels, which the model's
+    CPU tests run; the Mosaic GPU kernels have their own interpreter tests."""
+    return not interpret and cfg == large_groups and mosaic_gpu_grouped_gemm.takes(rows, w, block_cols)
 
 
 def _forward(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate_up_cfg, down_cfg):
     hidden, d_in, d_out = w1.shape[1], rows.shape[1], w2.shape[1]
-    if gate_up_on_mosaic_gpu(rows, w1, gate_up_cfg, interpret):
-        h = mosaic_gpu_gate_up.gate_up_situ_mgpu(rows, w1, w3, group_sizes, beta=beta,
+    if on_mosaic_gpu(rows, w1, gate_up_cfg, GATE_UP_DEFAULT, mosaic_gpu_grouped_gemm.GATE_UP_COLS, interpret):
+        h = mosaic_gpu_grouped_gemm.gate_up_situ_mgpu(rows, w1, w3, group_sizes, beta=beta,
                                                  linear_beta=linear_beta)
     else:
         h = grouped_gate_up_situ(rows, w1, w3, group_sizes, beta=beta, linear_beta=linear_beta,
                                  cfg=_fit(gate_up_cfg, d_in, hidden, w1), interpret=interpret)
+    if on_mosaic_gpu(h, w2, down_cfg, DOWN_DEFAULT, mosaic_gpu_grouped_gemm.PLAIN_COLS, interpret):
+        return mosaic_gpu_grouped_gemm.grouped_matmul_mgpu(h, w2, group_sizes)
     return grouped_matmul(h, w2, group_sizes, cfg=_fit(down_cfg, hidden, d_out, w2), interpret=interpret)
 
 

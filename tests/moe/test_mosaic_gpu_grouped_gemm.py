@@ -1,5 +1,6 @@
-"""The Mosaic GPU gate+up SiTU grouped GEMM (``mosaic_gpu_gate_up.py``) in Mosaic GPU's CPU
-interpreter against per-expert fp32 products, its work table, and its lowering for an abstract H200.
+"""The Mosaic GPU grouped GEMMs (``mosaic_gpu_grouped_gemm.py``: gate+up with SiTU, and the plain
+down projection) in Mosaic GPU's CPU interpreter against per-expert fp32 products, their work table,
+and their lowering for an abstract H200.
 
 Tolerance: bf16 operands with fp32 accumulation, SiTU in fp32, then one rounding to the bf16
 output (relative 2^-9 per element: 1.7e-3 seen over a whole output); 1e-2 leaves room for that,
@@ -16,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe.mosaic_gpu_gate_up import ALIGN, ROWS, _work_table, gate_up_situ_mgpu
+from pallas_kernels.moe.mosaic_gpu_grouped_gemm import (
+    ALIGN, ROWS, _work_table, gate_up_situ_mgpu, grouped_matmul_mgpu,
+)
 from pallas_kernels.moe.reference import situ
 from tests.h200_lowering import lowered_for_h200
 
@@ -25,15 +28,27 @@ TOL = 1e-2
 
 
 def _expected(x, w1, w3, sizes) -> np.ndarray:
-    """Per-expert fp32 products and SiTU; rows past sum(sizes) zero."""
+    """Per-expert fp32 products and SiTU (the plain product with w3 None); rows past sum(sizes)
+    zero."""
     out = np.zeros((x.shape[0], w1.shape[1]), np.float32)
     xs, start = x.astype(_F32), 0
     for e, count in enumerate(sizes):
         rows = xs[start:start + count]
-        out[start:start + count] = situ(rows @ w1[e].astype(_F32).T, rows @ w3[e].astype(_F32).T,
-                                        4.0, 25.0)
+        gate = rows @ w1[e].astype(_F32).T
+        out[start:start + count] = gate if w3 is None else situ(gate, rows @ w3[e].astype(_F32).T,
+                                                                4.0, 25.0)
         start += count
     return out
+
+
+def _assert_matches(out, want, sizes) -> None:
+    """Within TOL over the used rows and for each expert on its own; rows past them exactly 0."""
+    got, used = np.asarray(out.astype(_F32)), sum(sizes)
+    assert np.linalg.norm(got[:used] - want[:used]) <= TOL * np.linalg.norm(want[:used])
+    for e, start in enumerate(np.cumsum([0] + sizes[:-1])):  # each expert on its own
+        rows = slice(start, start + sizes[e])
+        assert np.linalg.norm(got[rows] - want[rows]) <= TOL * max(np.linalg.norm(want[rows]), 1e-6)
+    assert np.all(got[used:] == 0)
 
 
 def _case(seed: int, m: int, e: int, k: int = 128, n: int = 256):
@@ -55,14 +70,20 @@ def test_matches_per_expert_products(m: int, sizes: list[int]) -> None:
     used = sum(sizes)
     x = x.at[used:].set(jnp.nan)  # rows of no expert: never multiplied, stored as zeros
     out = gate_up_situ_mgpu(x, w1, w3, jnp.asarray(sizes, jnp.int32), num_sms=4, interpret=True)
-    want = _expected(x, w1, w3, sizes)
-    got = np.asarray(out.astype(_F32))
     assert out.shape == (m, w1.shape[1]) and out.dtype == _BF16
-    assert np.linalg.norm(got[:used] - want[:used]) <= TOL * np.linalg.norm(want[:used])
-    for e, start in enumerate(np.cumsum([0] + sizes[:-1])):  # each expert on its own
-        rows = slice(start, start + sizes[e])
-        assert np.linalg.norm(got[rows] - want[rows]) <= TOL * max(np.linalg.norm(want[rows]), 1e-6)
-    assert np.all(got[used:] == 0)
+    _assert_matches(out, _expected(x, w1, w3, sizes), sizes)
+
+
+# the plain product's 256-column tiles stage their output in two 128-column halves (n=512: two
+# column blocks); the second warpgroup's rows of a tile past its expert (40 rows) store nothing
+@pytest.mark.parametrize("m, sizes", [(300, [100, 0, 150]), (40, [7, 33, 0]), (301, [1, 170, 130])],
+                         ids=["empty expert and spare rows", "rows < tile", "M % 8 != 0"])
+def test_plain_product_matches_per_expert_products(m: int, sizes: list[int]) -> None:
+    x, w, _ = _case(3, m, len(sizes), n=512)
+    x = x.at[sum(sizes):].set(jnp.nan)
+    out = grouped_matmul_mgpu(x, w, jnp.asarray(sizes, jnp.int32), num_sms=3, interpret=True)
+    assert out.shape == (m, w.shape[1]) and out.dtype == _BF16
+    _assert_matches(out, _expected(x, w, None, sizes), sizes)
 
 
 def test_three_stages_agree_with_four() -> None:
@@ -95,15 +116,19 @@ def test_work_table_covers_each_row_once(seed: int) -> None:
 
 @pytest.mark.parametrize("m", [16384, 301])
 def test_lowers_for_h200(m: int) -> None:
-    """K3's per-GPU gate+up (3584 -> 2 x 3072, 28 experts): one Mosaic GPU custom call, under the
-    shared-memory budget of the layout inference. 301 rows: x's TMA descriptor needs a multiple of
-    8 (the interpreter does not check this; the lowering does)."""
+    """K3's per-GPU gate+up (3584 -> 2 x 3072) and down (3072 -> 3584), 28 experts: one Mosaic GPU
+    custom call each, under the shared-memory budget of the layout inference. 301 rows: x's TMA
+    descriptor needs a multiple of 8 (the interpreter does not check this; the lowering does)."""
     S = jax.ShapeDtypeStruct
-    e, k, n = 28, 3584, 3072
-    text = lowered_for_h200(lambda *a: gate_up_situ_mgpu(*a), S((m, k), _BF16), S((e, n, k), _BF16),
-                            S((e, n, k), _BF16), S((e,), jnp.int32))
+    e, d, f = 28, 3584, 3072
+    text = lowered_for_h200(lambda *a: gate_up_situ_mgpu(*a), S((m, d), _BF16), S((e, f, d), _BF16),
+                            S((e, f, d), _BF16), S((e,), jnp.int32))
     assert len(re.findall(r"custom_call @mosaic_gpu_v2\(", text)) == 1
     assert "k3_moe_gate_up_situ_mgpu" in text
+    text = lowered_for_h200(lambda *a: grouped_matmul_mgpu(*a), S((m, f), _BF16), S((e, d, f), _BF16),
+                            S((e,), jnp.int32))
+    assert len(re.findall(r"custom_call @mosaic_gpu_v2\(", text)) == 1
+    assert "k3_moe_grouped_matmul_mgpu" in text
 
 
 def test_rejects_what_it_cannot_take() -> None:
@@ -111,15 +136,19 @@ def test_rejects_what_it_cannot_take() -> None:
     sizes = jnp.asarray([32, 32], jnp.int32)
     with pytest.raises(ValueError, match=r"^gate_up_situ_mgpu: wants bf16 x .* got x float32"):
         gate_up_situ_mgpu(x.astype(_F32), w1, w3, sizes, interpret=True)
-    with pytest.raises(ValueError, match=r"N % 128 == 0, .* w1 bfloat16 \(2, 192, 128\)"):
+    with pytest.raises(ValueError, match=r"N % 128 == 0, .* weights bfloat16 \(2, 192, 128\)"):
         gate_up_situ_mgpu(x, w1[:, :192], w3[:, :192], sizes, interpret=True)
+    with pytest.raises(ValueError, match=r"^gate_up_situ_mgpu: .* of one shape"):
+        gate_up_situ_mgpu(x, w1, w3[:1], sizes, interpret=True)
+    with pytest.raises(ValueError, match=r"^grouped_matmul_mgpu: .* N % 256 == 0, .* \(2, 128, 128\)"):
+        grouped_matmul_mgpu(x, w1[:, :128], sizes, interpret=True)
 
 
 @pytest.mark.parametrize("experts, on_mosaic", [(28, True), (112, False)])
-def test_expert_mlp_forward_takes_it_for_large_groups(experts: int, on_mosaic: bool) -> None:
+def test_expert_mlp_forward_takes_them_for_large_groups(experts: int, on_mosaic: bool) -> None:
     """The routed experts' forward on the GPU (lowered for an abstract H200, K3 widths, 16384
-    rows): gate+up in this kernel where the Triton kernel would take its large-group tiles (28
-    experts, 585 rows each), the Triton merged-tail kernel at 112 (146 rows each); down in Triton."""
+    rows): gate+up and down in these kernels where the Triton kernels would take their large-group
+    tiles (28 experts, 585 rows each), the Triton merged-tail kernels at 112 (146 rows each)."""
     from pallas_kernels.moe.pallas_experts import grouped_expert_mlp
 
     S = jax.ShapeDtypeStruct
@@ -129,4 +158,5 @@ def test_expert_mlp_forward_takes_it_for_large_groups(experts: int, on_mosaic: b
     text = lowered_for_h200(lambda rows, gs, w1, w2, w3: grouped_expert_mlp(
         rows, gs, w1, w2, w3, beta=4.0, linear_beta=25.0, interpret=False), *args)
     assert ("k3_moe_gate_up_situ_mgpu" in text) == on_mosaic
-    assert text.count("__gpu$xla.gpu.triton") == (1 if on_mosaic else 2)
+    assert ("k3_moe_grouped_matmul_mgpu" in text) == on_mosaic
+    assert text.count("__gpu$xla.gpu.triton") == (0 if on_mosaic else 2)

@@ -1,0 +1,224 @@
+"""The routed experts' forward grouped GEMMs in Mosaic GPU (Hopper: TMA copies, wgmma, a producer
+warpgroup, persistent CTAs): gate+up with the SiTU epilogue (``gate_up_situ_mgpu``) and the plain
+down projection (``grouped_matmul_mgpu``).
+
+Same results as ``pallas_grouped_gemm.grouped_gate_up_situ`` / ``grouped_matmul`` on bf16 weights,
+over the same order of work (expert by expert, column block major, row tiles fastest, so co-resident
+tiles share a weight block in L2). Why second kernels: the Pallas-Triton ones run level with
+``torch._grouped_mm`` at 28 experts (490-545 TFLOP/s on the H200) with one 192 KB CTA per SM and no
+producer, so each tile's epilogue (SiTU, store) stalls the tensor cores and every load is issued by
+the warps that also run the MMAs. Here one CTA per SM walks the table (``plgpu.nd_loop``); a third
+warpgroup issues the TMA copies of the x tile and the weight tiles ``STAGES`` k steps ahead
+(``plgpu.emit_pipeline_warp_specialized``), so the next tile's loads start while this one's epilogue
+runs. The two compute warpgroups split the tile's 128 rows: each runs 64-row wgmmas against every
+column of the weight tiles (gate+up: [64, 128] gate and up accumulators; down: one [64, 256]), which
+reads each weight tile from shared memory once per warpgroup rather than once per 64 rows, then
+finishes in fp32 (SiTU, or nothing) and stores its rows by TMA. (Splitting the columns instead, two
+[128, 64] accumulators each, ran level on the H200: 587 vs 594 TFLOP/s.)
+
+Tiles (``_work_table``): a TMA copy into 8-row shared-memory tiles must start on a multiple of 8
+rows, so an expert's tiles load 128 rows from its first row rounded down to 8, then every 128; a
+tile multiplies all 128 and stores only its expert's rows (up to 7 rows of another expert ride
+along at the front). The store: TMA copies of static sizes, one per set bit of the row count (at
+most 8; a full tile is one copy), from an untiled staging buffer. Rows past ``sum(group_sizes)``
+(a virtual expert) come out as zeros, as in ``lax.ragged_dot``; x tiles reading past the last row
+get TMA's zero fill.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.moe.pallas_grouped_gemm import situ_f32, group_bounds, tile_programs
+
+_F32, _BF16 = jnp.float32, jnp.bfloat16
+ROWS, DEPTH = 128, 64  # a tile's rows, k per step
+WG_ROWS = ROWS // 2  # each compute warpgroup's rows of the tile (wgmma's 64-row M)
+GATE_UP_COLS = 128  # a tile's columns (weight rows) of gate+up: 128 of the gate, 128 of the up
+PLAIN_COLS = 256  # a tile's columns of a plain product (the down projection)
+STORE_COLS = 128  # output columns per staged store (the staging buffer's width)
+STAGES = 4  # k steps in flight: 4 x 48 KB of tiles + 32 KB of output staging fill the shared memory
+MEMORY_REGISTERS = 40  # the producer warpgroup's registers (it only issues copies)
+ALIGN = 8  # rows per shared-memory tile: where a TMA copy of x may start
+TILES = (plgpu.TilingTransform((ALIGN, DEPTH)), plgpu.SwizzleTransform(128))  # 128-byte bf16 rows
+
+
+def _work_table(group_sizes: jax.Array, num_rows: int, num_col_blocks: int) -> jax.Array:
+    """int32 [P, 5], one row per (row tile, column block): (load start, first row, end row,
+    expert, column block). Expert e's rows [s, t) take tiles loading ROWS rows from
+    ``a = 8 floor(s / 8) + ROWS j`` and storing ``[max(s, a), min(t, a + ROWS))``. Rows past
+    sum(group_sizes) form expert E (stored as zeros). Sized for the worst case (each expert adds at
+    most one tile and 7 rows); the rest are idle (first row == end row). Groups and program order
+    as ``pallas_grouped_gemm._schedule``'s (``group_bounds``, ``tile_programs``)."""
+    n_groups = group_sizes.shape[0]
+    starts, sizes = group_bounds(group_sizes, num_rows)
+    ends, first = starts + sizes, starts // ALIGN * ALIGN
+    tiles = jnp.where(sizes > 0, (ends - first + ROWS - 1) // ROWS, 0)
+    n_programs = (pl.cdiv(num_rows + ALIGN * (n_groups + 1), ROWS) + n_groups + 1) * num_col_blocks
+    group, local, block, valid = tile_programs(tiles, num_col_blocks, n_programs)
+    load = first[group] + local * ROWS
+    row_start = jnp.where(valid, jnp.maximum(starts[group], load), 0)
+    row_end = jnp.where(valid, jnp.minimum(ends[group], load + ROWS), 0)
+    return jnp.stack([jnp.where(valid, load, 0), row_start, row_end, group,
+                      jnp.where(valid, block, 0)], axis=1).astype(jnp.int32)
+
+
+def _store_rows(staged, out, offset, start, count):
+    """``staged[offset:offset + count]`` to ``out[start:start + count]`` (traced, offset + count <=
+    the staged rows) as one TMA copy per set bit of count: copies need static sizes, and other rows
+    belong to other tiles."""
+    done = 0  # rows stored so far
+    size = staged.shape[0]
+    while size:
+        @pl.when((count & size) != 0)
+        def _(size=size, done=done):
+            plgpu.copy_smem_to_gmem(staged.at[pl.ds(offset + done, size)],
+                                    out.at[pl.ds(start + done, size)])
+
+        done = done + (count & size)
+        size //= 2
+
+
+def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: int, stages: int,
+          finish):
+    """One persistent CTA: the table's programs, each a [ROWS, block_cols] output tile from one
+    [block_cols, K] block of every weight (gate and up, or the one down weight)."""
+    *w_refs, o_ref = refs
+    k_steps = x_ref.shape[1] // DEPTH
+    store_cols = min(block_cols, STORE_COLS)
+
+    def pipeline(step, context):
+        tile = lambda rows: plgpu.BlockSpec((rows, DEPTH), lambda k: (0, k), transforms=TILES,  # noqa: E731
+                                            delay_release=1)
+        return plgpu.emit_pipeline_warp_specialized(
+            step, grid=(k_steps,), memory_registers=MEMORY_REGISTERS,
+            in_specs=[tile(ROWS)] + [tile(block_cols)] * len(w_refs), max_concurrent_steps=stages,
+            wg_axis="wg", num_compute_wgs=2, compute_context=context)
+
+    ignore = lambda *_, **__: None  # noqa: E731  (the allocations do not depend on the bodies)
+    allocations = pipeline(ignore, ignore).get_allocations(
+        x_ref.at[pl.ds(0, ROWS)], *(w_ref.at[0, pl.ds(0, block_cols)] for w_ref in w_refs))
+
+    def scope(buffers, staging):
+        w = lax.axis_index("wg")
+
+        @plgpu.nd_loop((n_programs,), collective_axes="sm")
+        def _(info):
+            (p,) = info.index
+            load, row_start, row_end = meta_ref[p, 0], meta_ref[p, 1], meta_ref[p, 2]
+            group, block = meta_ref[p, 3], meta_ref[p, 4]
+            count = row_end - row_start
+            real = group < n_groups  # the virtual expert past sum(group_sizes) stores zeros
+            cols = pl.ds(pl.multiple_of(block * block_cols, block_cols), block_cols)
+            wg_load = load + w * WG_ROWS  # this warpgroup's rows: [wg_load, wg_load + WG_ROWS)
+            first = jnp.maximum(row_start, wg_load)
+            wg_count = jnp.maximum(jnp.minimum(row_end, wg_load + WG_ROWS) - first, 0)
+
+            def stage_and_store(h):
+                """A compute warpgroup's output tile, its own rows to HBM, store_cols at a time."""
+                for c in range(block_cols // store_cols):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging buffer is free
+                    staging[w] = h[:, c * store_cols:(c + 1) * store_cols]
+                    plgpu.commit_smem()
+                    col0 = pl.multiple_of(block * block_cols + c * store_cols, store_cols)
+                    _store_rows(staging.at[w], o_ref.at[:, pl.ds(col0, store_cols)],
+                                first - wg_load, first, wg_count)
+
+            def context(run):
+                def accumulate(*accs):
+                    run(accs)
+                    stage_and_store(finish(*(acc[...] for acc in accs)).astype(o_ref.dtype))
+
+                pl.run_scoped(accumulate, *(plgpu.ACC((WG_ROWS, block_cols), _F32) for _ in w_refs))
+
+            def step(_, x_s, *rest):
+                *w_s, accs = rest
+                mine = x_s.at[pl.ds(pl.multiple_of(w * WG_ROWS, WG_ROWS), WG_ROWS)]
+                for acc, tile in zip(accs, w_s):
+                    plgpu.wgmma(acc, mine, tile.transpose((1, 0)))
+                plgpu.wgmma_wait(len(accs))  # the last step's products are done: its slot is released
+                return accs
+
+            @pl.when((count > 0) & real)
+            def _():
+                pipeline(step, context)(x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), ROWS)],
+                                        *(w_ref.at[group, cols] for w_ref in w_refs),
+                                        allocations=buffers)
+
+            @pl.when((count > 0) & ~real & (w < 2))  # the compute warpgroups, no products
+            def _():
+                stage_and_store(jnp.zeros((WG_ROWS, block_cols), o_ref.dtype))
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(scope, allocations, plgpu.SMEM((2, WG_ROWS, store_cols), o_ref.dtype),
+                  collective_axes="wg")
+
+
+def takes(x: jax.Array, w, block_cols: int = GATE_UP_COLS) -> bool:
+    """Whether the kernel takes these operands: bf16 x and dense bf16 weights [E, N, K] with K a
+    multiple of 64 and N of the column block (128 for gate+up, 256 for a plain product)."""
+    return (isinstance(w, jax.Array) and x.dtype == _BF16 and w.dtype == _BF16 and w.ndim == 3
+            and x.shape[1] % DEPTH == 0 and w.shape[1] % block_cols == 0)
+
+
+def _grouped(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *, finish,
+             block_cols: int, name: str, num_sms: int, stages: int, interpret: bool) -> jax.Array:
+    """finish(x @ w_e^T for w in weights) per expert's rows, as one persistent kernel."""
+    w0 = weights[0]
+    if not takes(x, w0, block_cols) or any(w.shape != w0.shape or w.dtype != w0.dtype for w in weights):
+        raise ValueError(f"{name}: wants bf16 x [M, K] and bf16 weights [E, N, K] of one shape with K % "
+                         f"{DEPTH} == 0 and N % {block_cols} == 0, got x {x.dtype} {x.shape}, weights "
+                         + ", ".join(f"{getattr(w, 'dtype', type(w).__name__)} {getattr(w, 'shape', '')}"
+                                     for w in weights))
+    m0, n = x.shape[0], w0.shape[1]
+    # x's TMA descriptor tiles it by 8 rows, and a tile's copy (ROWS rows) may be no taller than x;
+    # the model's row counts (tokens x top-k) are multiples of 16, so this copy is for odd callers
+    rows = max(ROWS, -(-m0 // ALIGN) * ALIGN)
+    if rows != m0:
+        x = jnp.pad(x, ((0, rows - m0), (0, 0)))
+    meta = _work_table(group_sizes, rows, n // block_cols)
+    kernel = plgpu.kernel(
+        functools.partial(_body, n_programs=meta.shape[0], n_groups=w0.shape[0],
+                          block_cols=block_cols, stages=stages, finish=finish),
+        out_type=jax.ShapeDtypeStruct((rows, n), x.dtype),
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+        kernel_name=f"k3_moe_{name}",
+    )
+    return kernel(meta, x, *weights)[:m0]
+
+
+@functools.partial(jax.jit, static_argnames=("beta", "linear_beta", "num_sms", "stages",
+                                             "interpret"))
+def gate_up_situ_mgpu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array, *,
+                      beta: float = 4.0, linear_beta: float | None = 25.0, num_sms: int = 132,
+                      stages: int = STAGES, interpret: bool = False) -> jax.Array:
+    """SiTU(x @ w1_e^T, x @ w3_e^T) for rows grouped by expert: x [M, K] bf16 sorted by expert,
+    w1, w3 [E, N, K] bf16, group_sizes [E] int32 -> [M, N] bf16. ``num_sms``: persistent CTAs (the
+    H200's 132); ``stages``: k steps of tiles in flight. ``interpret``: Mosaic GPU's CPU
+    interpreter (tests)."""
+    # the exact ops: approx_math makes them the fast hardware forms
+    situ = lambda g, u: situ_f32(g, u, beta, linear_beta, approx=False)  # noqa: E731
+    return _grouped(x, (w1, w3), group_sizes, finish=situ, block_cols=GATE_UP_COLS,
+                    name="gate_up_situ_mgpu", num_sms=num_sms, stages=stages, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("num_sms", "stages", "interpret"))
+def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, num_sms: int = 132,
+                        stages: int = STAGES, interpret: bool = False) -> jax.Array:
+    """x @ w_e^T for rows grouped by expert (the experts' down projection): x [M, K] bf16 sorted by
+    expert, w [E, N, K] bf16 with N % 256 == 0, group_sizes [E] int32 -> [M, N] bf16; rows past
+    sum(group_sizes) are zeros, as in ``lax.ragged_dot``."""
+    return _grouped(x, (w,), group_sizes, finish=lambda acc: acc, block_cols=PLAIN_COLS,
+                    name="grouped_matmul_mgpu", num_sms=num_sms, stages=stages, interpret=interpret)
