@@ -42,7 +42,7 @@ ROWS, DEPTH = 128, 64  # a tile's rows, k per step
 WG_ROWS = ROWS // 2  # each compute warpgroup's rows of the tile (wgmma's 64-row M)
 GATE_UP_COLS = 128  # a tile's columns (weight rows) of gate+up: 128 of the gate, 128 of the up
 PLAIN_COLS = 256  # a tile's columns of a plain product (the down projection)
-STORE_COLS = 128  # output columns per staged store (the staging buffer's width)
+STAGED_ROW_BYTES = 256  # bytes of an output row per staged store: 128 bf16 or 64 fp32 columns
 STAGES = 4  # k steps in flight: 4 x 48 KB of tiles + 32 KB of output staging fill the shared memory
 MEMORY_REGISTERS = 40  # the producer warpgroup's registers (it only issues copies)
 ALIGN = 8  # rows per shared-memory tile: where a TMA copy of x may start
@@ -86,24 +86,31 @@ def _store_rows(staged, out, offset, start, count):
 
 
 def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: int, stages: int,
-          finish):
+          finish, kn: bool):
     """One persistent CTA: the table's programs, each a [ROWS, block_cols] output tile from one
-    [block_cols, K] block of every weight (gate and up, or the one down weight)."""
+    [block_cols, K] block of every weight (gate and up, or the one plain weight; [K, block_cols]
+    blocks of weights stored [E, K, N], ``kn``)."""
     *w_refs, o_ref = refs
     k_steps = x_ref.shape[1] // DEPTH
-    store_cols = min(block_cols, STORE_COLS)
+    store_cols = min(block_cols, STAGED_ROW_BYTES // jnp.dtype(o_ref.dtype).itemsize)
+
+    def weight_block(w_ref, group, cols):
+        """Expert ``group``'s weight rows ``cols`` (its columns, kn), all of K."""
+        return w_ref.at[group, :, cols] if kn else w_ref.at[group, cols]
 
     def pipeline(step, context):
-        tile = lambda rows: plgpu.BlockSpec((rows, DEPTH), lambda k: (0, k), transforms=TILES,  # noqa: E731
-                                            delay_release=1)
+        spec = lambda shape, index: plgpu.BlockSpec(shape, index, transforms=TILES,  # noqa: E731
+                                                    delay_release=1)
+        w_spec = (spec((DEPTH, block_cols), lambda k: (k, 0)) if kn
+                  else spec((block_cols, DEPTH), lambda k: (0, k)))
         return plgpu.emit_pipeline_warp_specialized(
             step, grid=(k_steps,), memory_registers=MEMORY_REGISTERS,
-            in_specs=[tile(ROWS)] + [tile(block_cols)] * len(w_refs), max_concurrent_steps=stages,
-            wg_axis="wg", num_compute_wgs=2, compute_context=context)
+            in_specs=[spec((ROWS, DEPTH), lambda k: (0, k))] + [w_spec] * len(w_refs),
+            max_concurrent_steps=stages, wg_axis="wg", num_compute_wgs=2, compute_context=context)
 
     ignore = lambda *_, **__: None  # noqa: E731  (the allocations do not depend on the bodies)
     allocations = pipeline(ignore, ignore).get_allocations(
-        x_ref.at[pl.ds(0, ROWS)], *(w_ref.at[0, pl.ds(0, block_cols)] for w_ref in w_refs))
+        x_ref.at[pl.ds(0, ROWS)], *(weight_block(w_ref, 0, pl.ds(0, block_cols)) for w_ref in w_refs))
 
     def scope(buffers, staging):
         w = lax.axis_index("wg")
@@ -140,15 +147,15 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
             def step(_, x_s, *rest):
                 *w_s, accs = rest
                 mine = x_s.at[pl.ds(pl.multiple_of(w * WG_ROWS, WG_ROWS), WG_ROWS)]
-                for acc, tile in zip(accs, w_s):
-                    plgpu.wgmma(acc, mine, tile.transpose((1, 0)))
+                for acc, tile in zip(accs, w_s):  # a [K, N] operand: kn tiles as loaded
+                    plgpu.wgmma(acc, mine, tile if kn else tile.transpose((1, 0)))
                 plgpu.wgmma_wait(len(accs))  # the last step's products are done: its slot is released
                 return accs
 
             @pl.when((count > 0) & real)
             def _():
                 pipeline(step, context)(x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), ROWS)],
-                                        *(w_ref.at[group, cols] for w_ref in w_refs),
+                                        *(weight_block(w_ref, group, cols) for w_ref in w_refs),
                                         allocations=buffers)
 
             @pl.when((count > 0) & ~real & (w < 2))  # the compute warpgroups, no products
@@ -161,23 +168,30 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                   collective_axes="wg")
 
 
-def takes(x: jax.Array, w, block_cols: int = GATE_UP_COLS) -> bool:
-    """Whether the kernel takes these operands: bf16 x and dense bf16 weights [E, N, K] with K a
-    multiple of 64 and N of the column block (128 for gate+up, 256 for a plain product)."""
-    return (isinstance(w, jax.Array) and x.dtype == _BF16 and w.dtype == _BF16 and w.ndim == 3
-            and x.shape[1] % DEPTH == 0 and w.shape[1] % block_cols == 0)
+def takes(x: jax.Array, w, block_cols: int = GATE_UP_COLS, kn: bool = False) -> bool:
+    """Whether the kernel takes these operands: bf16 x [M, K] and dense bf16 weights [E, N, K]
+    ([E, K, N] with ``kn``) with K a multiple of 64 and N of the column block (128 for gate+up,
+    256 for a plain product)."""
+    if not (isinstance(w, jax.Array) and x.dtype == _BF16 and w.dtype == _BF16 and w.ndim == 3):
+        return False
+    k, n = (w.shape[1], w.shape[2]) if kn else (w.shape[2], w.shape[1])
+    return x.ndim == 2 and x.shape[1] == k and k % DEPTH == 0 and n % block_cols == 0
 
 
 def _grouped(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *, finish,
-             block_cols: int, name: str, num_sms: int, stages: int, interpret: bool) -> jax.Array:
-    """finish(x @ w_e^T for w in weights) per expert's rows, as one persistent kernel."""
+             block_cols: int, out_dtype, kn: bool, name: str, num_sms: int, stages: int,
+             interpret: bool) -> jax.Array:
+    """finish(x @ w_e^T for w in weights) per expert's rows (x @ w_e for ``kn`` weights), as one
+    persistent kernel."""
     w0 = weights[0]
-    if not takes(x, w0, block_cols) or any(w.shape != w0.shape or w.dtype != w0.dtype for w in weights):
-        raise ValueError(f"{name}: wants bf16 x [M, K] and bf16 weights [E, N, K] of one shape with K % "
+    if not takes(x, w0, block_cols, kn) or any(w.shape != w0.shape or w.dtype != w0.dtype
+                                               for w in weights):
+        layout = "[E, K, N]" if kn else "[E, N, K]"
+        raise ValueError(f"{name}: wants bf16 x [M, K] and bf16 weights {layout} of one shape with K % "
                          f"{DEPTH} == 0 and N % {block_cols} == 0, got x {x.dtype} {x.shape}, weights "
                          + ", ".join(f"{getattr(w, 'dtype', type(w).__name__)} {getattr(w, 'shape', '')}"
                                      for w in weights))
-    m0, n = x.shape[0], w0.shape[1]
+    m0, n = x.shape[0], w0.shape[2] if kn else w0.shape[1]
     # x's TMA descriptor tiles it by 8 rows, and a tile's copy (ROWS rows) may be no taller than x;
     # the model's row counts (tokens x top-k) are multiples of 16, so this copy is for odd callers
     rows = max(ROWS, -(-m0 // ALIGN) * ALIGN)
@@ -186,8 +200,8 @@ def _grouped(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Arra
     meta = _work_table(group_sizes, rows, n // block_cols)
     kernel = plgpu.kernel(
         functools.partial(_body, n_programs=meta.shape[0], n_groups=w0.shape[0],
-                          block_cols=block_cols, stages=stages, finish=finish),
-        out_type=jax.ShapeDtypeStruct((rows, n), x.dtype),
+                          block_cols=block_cols, stages=stages, finish=finish, kn=kn),
+        out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=3,
@@ -211,14 +225,19 @@ def gate_up_situ_mgpu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: j
     # the exact ops: approx_math makes them the fast hardware forms
     situ = lambda g, u: situ_f32(g, u, beta, linear_beta, approx=False)  # noqa: E731
     return _grouped(x, (w1, w3), group_sizes, finish=situ, block_cols=GATE_UP_COLS,
-                    name="gate_up_situ_mgpu", num_sms=num_sms, stages=stages, interpret=interpret)
+                    out_dtype=x.dtype, kn=False, name="gate_up_situ_mgpu", num_sms=num_sms, stages=stages, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("num_sms", "stages", "interpret"))
-def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, num_sms: int = 132,
-                        stages: int = STAGES, interpret: bool = False) -> jax.Array:
-    """x @ w_e^T for rows grouped by expert (the experts' down projection): x [M, K] bf16 sorted by
-    expert, w [E, N, K] bf16 with N % 256 == 0, group_sizes [E] int32 -> [M, N] bf16; rows past
-    sum(group_sizes) are zeros, as in ``lax.ragged_dot``."""
+@functools.partial(jax.jit, static_argnames=("out_dtype", "weights_kn", "num_sms", "stages",
+                                             "interpret"))
+def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None,
+                        weights_kn: bool = False, num_sms: int = 132, stages: int = STAGES,
+                        interpret: bool = False) -> jax.Array:
+    """x @ w_e^T for rows grouped by expert (the experts' down projection, and the backward's
+    products): x [M, K] bf16 sorted by expert, w [E, N, K] bf16 with N % 256 == 0, group_sizes [E]
+    int32 -> [M, N] in ``out_dtype`` (x's by default; fp32 keeps the accumulator). ``weights_kn``:
+    w is [E, K, N] and the result x @ w_e, as the backward multiplies by the forward's weights
+    without a transposed copy. Rows past sum(group_sizes) are zeros, as in ``lax.ragged_dot``."""
     return _grouped(x, (w,), group_sizes, finish=lambda acc: acc, block_cols=PLAIN_COLS,
+                    out_dtype=jnp.dtype(out_dtype or x.dtype), kn=weights_kn,
                     name="grouped_matmul_mgpu", num_sms=num_sms, stages=stages, interpret=interpret)

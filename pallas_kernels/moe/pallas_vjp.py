@@ -8,17 +8,19 @@ grouped GEMMs but avoids keeping two [M, F] fp32 tensors alive between forward a
 kernel with the derivative in its epilogue was timed on the H200 and was no faster, 6.78 vs 6.68 ms for the
 whole forward + backward at 28 experts x 16384 rows):
 
-  g, u      = x W1^T, x W3^T                          Pallas grouped_matmul (x2, fp32 out)
+  g, u      = x W1^T, x W3^T                          grouped_matmul (x2, fp32 out)
   h, dS/dg, dS/du                                      elementwise fp32 (XLA fuses it)
-  dh        = dy W2_e                                  Pallas grouped_matmul on W2 as stored (weights_kn)
+  dh        = dy W2_e                                  grouped_matmul on W2 as stored (weights_kn)
   dg, du    = dh * dS/dg, dh * dS/du                   elementwise fp32, rounded to the rows' dtype
-  dx        = dg W1_e + du W3_e                        two Pallas grouped_matmuls (weights_kn), summed in fp32
+  dx        = dg W1_e + du W3_e                        two grouped_matmuls (weights_kn), summed in fp32
   dW2_e     = dy_e^T h_e                               Pallas grouped_matmul_tn (contraction over rows)
   dW1_e, dW3_e = dg_e^T x_e, du_e^T x_e                Pallas grouped_matmul_tn, each written in the weights'
                                                        dtype from its fp32 accumulator
 
-The three weight gradients contract over each expert's rows (a "transposed" grouped GEMM whose output is
-one [P, Q] block per expert): `grouped_matmul_tn`, one program per (expert, output tile) looping over the
+These five products run the Mosaic GPU kernel (``mosaic_gpu_grouped_gemm.grouped_matmul_mgpu``) where
+the forward's do (on the GPU, bf16, large groups: ``on_mosaic_gpu``), the Pallas-Triton
+``grouped_matmul`` elsewhere. The three weight gradients contract over each expert's rows (a
+"transposed" grouped GEMM whose output is one [P, Q] block per expert): `grouped_matmul_tn`, one program per (expert, output tile) looping over the
 expert's row tiles; it equals `lax.ragged_dot_general` with a ragged contracting dimension
 (`_ragged_rows_outer`, kept as its test oracle); its tiles are `bwd_cfg`'s (block_k 32 with 6 stages ran
 5% faster than the default 64 / 4 in one H200 job; expert load imbalance is not split across programs). The
@@ -93,13 +95,14 @@ def _fit_tn(cfg: TileConfig, p: int, q: int) -> TileConfig:
 
 
 def on_mosaic_gpu(rows, w, cfg: TileConfig, large_groups: TileConfig, block_cols: int,
-                  interpret: bool) -> bool:
-    """Whether a forward GEMM runs the Mosaic GPU kernels (``mosaic_gpu_grouped_gemm``) instead of the Triton
-    ones: on the GPU, bf16 rows and weights, where the Triton kernel would take its large-group tiles
-    (``large_groups``: GATE_UP_DEFAULT or DOWN_DEFAULT). At 112 experts the Triton kernels' merged tails
-    stay ahead (benchmarks/RESULTS.md). The interpreter (CPU) keeps the Triton kernels, which the model's
-    CPU tests run; the Mosaic GPU kernels have their own interpreter tests."""
-    return not interpret and cfg == large_groups and mosaic_gpu_grouped_gemm.takes(rows, w, block_cols)
+                  interpret: bool, weights_kn: bool = False) -> bool:
+    """Whether a grouped GEMM runs the Mosaic GPU kernels (``mosaic_gpu_grouped_gemm``) instead of the
+    Triton ones: on the GPU, bf16 rows and weights, where the Triton kernel would take its large-group
+    tiles (``large_groups``: GATE_UP_DEFAULT or DOWN_DEFAULT). At 112 experts the Triton kernels' merged
+    tails stay ahead (benchmarks/RESULTS.md). The interpreter (CPU) keeps the Triton kernels, which the
+    model's CPU tests run; the Mosaic GPU kernels have their own interpreter tests."""
+    return (not interpret and cfg == large_groups
+            and mosaic_gpu_grouped_gemm.takes(rows, w, block_cols, weights_kn))
 
 
 def _forward(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate_up_cfg, down_cfg):
@@ -137,18 +140,27 @@ def _expert_mlp_bwd(beta, linear_beta, interpret, gate_up_cfg, down_cfg, bwd_cfg
     rows, *stored, group_sizes = res
     w1, w2, w3 = (decode_experts(w, rows.dtype) for w in stored)
     hidden, d_in, d_out = w1.shape[1], rows.shape[1], w2.shape[1]
-    gemm = functools.partial(grouped_matmul, group_sizes=group_sizes, out_dtype=F32, interpret=interpret)
+
+    def gemm(x, w, k: int, n: int, weights_kn: bool = False) -> jax.Array:
+        """fp32 x @ w_e^T (x @ w_e with weights_kn); Mosaic GPU where the Triton kernel would take its
+        large-group tiles, as in the forward."""
+        if on_mosaic_gpu(x, w, bwd_cfg, DOWN_DEFAULT, mosaic_gpu_grouped_gemm.PLAIN_COLS, interpret,
+                         weights_kn):
+            return mosaic_gpu_grouped_gemm.grouped_matmul_mgpu(x, w, group_sizes, out_dtype=F32,
+                                                               weights_kn=weights_kn)
+        return grouped_matmul(x, w, group_sizes, cfg=_fit(bwd_cfg, k, n, w), out_dtype=F32,
+                              interpret=interpret, weights_kn=weights_kn)
+
     # recompute gate and up (fp32 accumulators, as the fused kernel's epilogue sees them)
-    g = gemm(rows, stored[0], cfg=_fit(bwd_cfg, d_in, hidden, stored[0]))  # packed: decoded per tile
-    u = gemm(rows, stored[2], cfg=_fit(bwd_cfg, d_in, hidden, stored[2]))
+    g = gemm(rows, stored[0], d_in, hidden)  # packed: decoded per tile
+    u = gemm(rows, stored[2], d_in, hidden)
     h, dsdg, dsdu = situ_and_grads(g, u, beta, linear_beta)
     h = h.astype(rows.dtype)  # the forward's rounding of the hidden state (the down GEMM's operand)
     dy = dy.astype(rows.dtype)
     # the forward's weights as they are ([E, K, N] for these products): no transposed copy of the layer
-    dh = gemm(dy, w2, cfg=_fit(bwd_cfg, d_out, hidden), weights_kn=True)  # [M, F] fp32
+    dh = gemm(dy, w2, d_out, hidden, weights_kn=True)  # [M, F] fp32
     dg, du = ((dh * d).astype(rows.dtype) for d in (dsdg, dsdu))
-    dx_cfg = _fit(bwd_cfg, hidden, d_in)
-    dx = gemm(dg, w1, cfg=dx_cfg, weights_kn=True) + gemm(du, w3, cfg=dx_cfg, weights_kn=True)  # fp32 sum
+    dx = gemm(dg, w1, hidden, d_in, weights_kn=True) + gemm(du, w3, hidden, d_in, weights_kn=True)  # fp32
     packed = [isinstance(w, MXFP4Experts) for w in stored]  # no gradient for integer codes
     tn = functools.partial(grouped_matmul_tn, group_sizes=group_sizes, interpret=interpret)  # fp32 accumulation
     dw1 = dw2 = dw3 = None

@@ -114,6 +114,25 @@ def test_work_table_covers_each_row_once(seed: int) -> None:
     assert np.all(covered == 1)
 
 
+@pytest.mark.parametrize("weights_kn, out_dtype", [(False, _F32), (True, _BF16), (True, _F32)],
+                         ids=["fp32 out", "[E, K, N] weights", "[E, K, N] weights, fp32 out"])
+def test_plain_product_layouts_and_fp32_out(weights_kn: bool, out_dtype) -> None:
+    """The backward's forms: weights stored [E, K, N] (multiplied as loaded) and fp32 outputs (the
+    accumulator itself, staged 64 columns at a time). fp32 out differs from fp32 products only in
+    summation order (1e-5 is ~100x what that gives), so a misplaced column block or staged half
+    fails it as surely as the bf16 bound."""
+    sizes = [100, 0, 150]
+    x, w, _ = _case(4, 300, len(sizes), n=512)
+    x = x.at[sum(sizes):].set(jnp.nan)
+    out = grouped_matmul_mgpu(x, jnp.swapaxes(w, 1, 2) if weights_kn else w, jnp.asarray(sizes, jnp.int32),
+                              out_dtype=out_dtype, weights_kn=weights_kn, num_sms=3, interpret=True)
+    assert out.shape == (300, 512) and out.dtype == out_dtype
+    want, got = _expected(x, w, None, sizes), np.asarray(out.astype(_F32))
+    tol = 1e-5 if out_dtype == _F32 else TOL
+    assert np.linalg.norm(got[:250] - want[:250]) <= tol * np.linalg.norm(want[:250])
+    assert np.all(got[250:] == 0)
+
+
 @pytest.mark.parametrize("m", [16384, 301])
 def test_lowers_for_h200(m: int) -> None:
     """K3's per-GPU gate+up (3584 -> 2 x 3072) and down (3072 -> 3584), 28 experts: one Mosaic GPU
@@ -129,6 +148,10 @@ def test_lowers_for_h200(m: int) -> None:
                             S((e,), jnp.int32))
     assert len(re.findall(r"custom_call @mosaic_gpu_v2\(", text)) == 1
     assert "k3_moe_grouped_matmul_mgpu" in text
+    # the backward's dx: [E, K, N] weights, fp32 out
+    text = lowered_for_h200(lambda *a: grouped_matmul_mgpu(*a, out_dtype=_F32, weights_kn=True),
+                            S((m, f), _BF16), S((e, f, d), _BF16), S((e,), jnp.int32))
+    assert "k3_moe_grouped_matmul_mgpu" in text
 
 
 def test_rejects_what_it_cannot_take() -> None:
@@ -142,6 +165,8 @@ def test_rejects_what_it_cannot_take() -> None:
         gate_up_situ_mgpu(x, w1, w3[:1], sizes, interpret=True)
     with pytest.raises(ValueError, match=r"^grouped_matmul_mgpu: .* N % 256 == 0, .* \(2, 128, 128\)"):
         grouped_matmul_mgpu(x, w1[:, :128], sizes, interpret=True)
+    with pytest.raises(ValueError, match=r"^grouped_matmul_mgpu: .* weights \[E, K, N\] .* \(2, 256, 128\)"):
+        grouped_matmul_mgpu(x, w1, sizes, weights_kn=True, interpret=True)  # K 256 != x's 128
 
 
 @pytest.mark.parametrize("experts, on_mosaic", [(28, True), (112, False)])

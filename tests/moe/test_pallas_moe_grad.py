@@ -13,6 +13,7 @@ ulps) differ, which stays around 1e-7 relative; 1e-5 leaves two orders of margin
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -146,11 +147,13 @@ def test_grouped_matmul_tn_lowers_to_triton_for_cuda() -> None:
     assert "__gpu$xla.gpu.triton" in text
 
 
-@pytest.mark.parametrize("experts", [28, 112])
-def test_expert_mlp_backward_lowers_to_triton_for_cuda(experts: int) -> None:
-    """The whole expert-MLP gradient at K3 widths, 16384 rows, default tiles (28 experts: 128-row tiles; 112:
-    the small-group tiles, weights as the MMA's left operand with [E, K, N] tiles), as the H200 would compile
-    it: every GEMM a Triton kernel, and no transposed or concatenated copy of a weight in the program."""
+@pytest.mark.parametrize("experts, on_mosaic", [(28, True), (112, False)])
+def test_expert_mlp_backward_lowers_for_cuda(experts: int, on_mosaic: bool) -> None:
+    """The whole expert-MLP gradient at K3 widths, 16384 rows, default tiles, as the H200 would compile it,
+    with no transposed or concatenated copy of a weight in the program. 28 experts (large groups): the
+    products with the forward's weights (gate and up recomputed, dh, dx) in the Mosaic GPU kernel, the
+    weight gradients in Triton; 112: the small-group tiles (weights as the MMA's left operand with
+    [E, K, N] tiles), every GEMM a Triton kernel."""
     from pallas_kernels.moe.pallas_experts import grouped_expert_mlp
 
     sds = jax.ShapeDtypeStruct
@@ -164,7 +167,9 @@ def test_expert_mlp_backward_lowers_to_triton_for_cuda(experts: int) -> None:
 
     text = lowered_for_h200(jax.grad(loss, argnums=(0, 1, 2, 3)), *args, sds((experts,), jnp.int32))
     # the loss needs no forward output, so only the backward's kernels remain; calls with equal shapes and
-    # tiles share one lowered function: gate = up recompute, dh, dx (x2), dW2, dW1 = dW3
-    assert text.count("__gpu$xla.gpu.triton") == 5
+    # tiles share one lowered function: gate = up recompute, dh, dx (x2) [Mosaic GPU at 28 experts], dW2,
+    # dW1 = dW3
+    assert text.count("__gpu$xla.gpu.triton") == (2 if on_mosaic else 5)
+    assert len(re.findall(r"custom_call @mosaic_gpu_v2\(", text)) == (3 if on_mosaic else 0)
     assert f"{experts}x{2 * f}x{d}xbf16" not in text  # no [W1; W3] concatenation
     assert "stablehlo.transpose" not in text  # no transposed weights
