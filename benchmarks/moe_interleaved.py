@@ -9,7 +9,8 @@ through DLPack); medians over the rounds.
     PYTHONPATH=. python3 benchmarks/moe_interleaved.py [--rounds 25] [--inner 5]
 
 Cases: 28 experts x 16384 rows (uniform and uneven groups) gate+up 3584 -> 2 x 3072 with SiTU and down
-3072 -> 3584; 112 experts gate+up and down. Each JAX contender is first checked against the fp32
+3072 -> 3584; 112 experts gate+up and down; a decode step's 256 rows over 28 experts (weight bytes set
+the time there: TB/s of weights read once are printed beside TFLOP/s). Each JAX contender is first checked against the fp32
 `lax.ragged_dot` reference (relative Frobenius error < 1e-2; bf16 outputs give ~1.7e-3); torch's output
 against the same reference. TFLOP/s count 2*M*K*N (gate+up: N = 2F). torch's gate+up is timed without and
 with a separate SiTU pass (ours fuses it). Results: $OUT/moe_interleaved.json and a table.
@@ -28,12 +29,15 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch allocat
 
 OUT = os.environ.get("OUT", ".")
 M, H, F = 16384, 3584, 3072
-CASES = [  # label, experts, kind, distribution
-    ("gate_up_E28", 28, "gate_up", "uniform"),
-    ("gate_up_E28_uneven", 28, "gate_up", "uneven"),
-    ("down_E28", 28, "down", "uniform"),
-    ("gate_up_E112", 112, "gate_up", "uniform"),
-    ("down_E112", 112, "down", "uniform"),
+DECODE_ROWS = 256  # routed rows of a decode step on one GPU (e.g. 512 sequences x 16 over 32 shards)
+CASES = [  # label, experts, kind, distribution, rows
+    ("gate_up_E28", 28, "gate_up", "uniform", M),
+    ("gate_up_E28_uneven", 28, "gate_up", "uneven", M),
+    ("down_E28", 28, "down", "uniform", M),
+    ("gate_up_E112", 112, "gate_up", "uniform", M),
+    ("down_E112", 112, "down", "uniform", M),
+    ("gate_up_E28_decode", 28, "gate_up", "uniform", DECODE_ROWS),
+    ("down_E28_decode", 28, "down", "uniform", DECODE_ROWS),
 ]
 if os.environ.get("MOE_CASES"):  # "label,label" keeps those cases only
     CASES = [c for c in CASES if c[0] in os.environ["MOE_CASES"].split(",")]
@@ -44,11 +48,11 @@ def contenders(kind: str, num_experts: int, x, w1, w3, gs) -> dict:
     import jax
     import torch
 
-    from benchmarks.moe_grouped_gemm import M as rows
     from benchmarks.torch_peer import torch_situ
     from pallas_kernels.moe import mosaic_gpu_grouped_gemm as mg
     from pallas_kernels.moe import pallas_grouped_gemm as pg
 
+    rows = x.shape[0]
     tx, tw1, tw3 = (torch.from_dlpack(a) for a in (x, w1, w3))
     offs = torch.cumsum(torch.from_dlpack(gs), 0).to(torch.int32)
     if kind == "gate_up":
@@ -96,20 +100,20 @@ def main(rounds: int, inner: int) -> None:
     def ragged(x, w, gs):
         return jax.lax.ragged_dot_general(x, w, gs, _RAGGED_DIMS, preferred_element_type=jnp.float32)
 
-    for label, num_experts, kind, dist in CASES:
+    for label, num_experts, kind, dist, m in CASES:
         k_dim, n_dim = dims(kind)
         n_w = F if kind == "gate_up" else H
         kx, k1, k3 = jax.random.split(jax.random.key(num_experts + len(label)), 3)
-        x = jax.random.normal(kx, (M, k_dim), jnp.bfloat16)
+        x = jax.random.normal(kx, (m, k_dim), jnp.bfloat16)
         w1, w3 = ((jax.random.normal(k, (num_experts, n_w, k_dim), jnp.float32) * 2 * k_dim ** -0.5)
                   .astype(jnp.bfloat16) for k in (k1, k3))
-        gs = jnp.asarray(sizes_for(num_experts, dist), jnp.int32)
+        gs = jnp.asarray(sizes_for(num_experts, dist, m), jnp.int32)
         if kind == "gate_up":
             ref = jax.jit(lambda x, a, b, g: situ(ragged(x, a, g), ragged(x, b, g), 4.0, 25.0))(x, w1, w3, gs)
         else:
             ref = jax.jit(ragged)(x, w1, gs)
         ours, peers = contenders(kind, num_experts, x, w1, w3, gs)
-        r: dict = {"experts": num_experts, "M": M, "K": k_dim, "N": n_dim, "dist": dist, "rel_err": {}}
+        r: dict = {"experts": num_experts, "M": m, "K": k_dim, "N": n_dim, "dist": dist, "rel_err": {}}
         for name, call in ours.items():
             r["rel_err"][name] = rel(call(), ref)
         for name, call in peers.items():
@@ -146,15 +150,17 @@ def main(rounds: int, inner: int) -> None:
         for i in range(rounds):
             for name in names[i % len(names):] + names[:i % len(names)]:
                 samples[name].append(timed(name, everyone[name]))
-        flops = 2 * M * k_dim * n_dim
-        r["ms"], r["TFLOPs"] = {}, {}
+        flops, weight_bytes = 2 * m * k_dim * n_dim, 2 * num_experts * k_dim * n_dim
+        r["ms"], r["TFLOPs"], r["weight_TBs"] = {}, {}, {}
         for name, s in samples.items():
             s = sorted(s)
             r["ms"][name] = [statistics.median(s), s[len(s) // 5], s[(4 * len(s)) // 5]]
             r["TFLOPs"][name] = flops / r["ms"][name][0] / 1e9
+            r["weight_TBs"][name] = weight_bytes / r["ms"][name][0] / 1e9
         res[label] = r
         for name in names:
-            print(f"{label:20s} {name:45s} {r['TFLOPs'][name]:7.1f} TFLOP/s  ms p50/p20/p80 "
+            print(f"{label:20s} {name:45s} {r['TFLOPs'][name]:7.1f} TFLOP/s {r['weight_TBs'][name]:5.2f} TB/s of "
+                  f"weights  ms p50/p20/p80 "
                   f"{r['ms'][name][0]:.3f}/{r['ms'][name][1]:.3f}/{r['ms'][name][2]:.3f}  "
                   f"err {r['rel_err'][name]:.1e}", flush=True)
         with open(os.path.join(OUT, "moe_interleaved.json"), "w") as f:
