@@ -9,11 +9,12 @@ through DLPack); medians over the rounds.
     PYTHONPATH=. python3 benchmarks/moe_interleaved.py [--rounds 25] [--inner 5]
 
 Cases: 28 experts x 16384 rows (uniform and uneven groups) gate+up 3584 -> 2 x 3072 with SiTU and down
-3072 -> 3584; 112 experts gate+up and down; a decode step's 256 rows over 28 experts (weight bytes set
-the time there: TB/s of weights read once are printed beside TFLOP/s). Each JAX contender is first checked against the fp32
-`lax.ragged_dot` reference (relative Frobenius error < 1e-2; bf16 outputs give ~1.7e-3); torch's output
-against the same reference. TFLOP/s count 2*M*K*N (gate+up: N = 2F). torch's gate+up is timed without and
-with a separate SiTU pass (ours fuses it). Results: $OUT/moe_interleaved.json and a table.
+3072 -> 3584; 112 experts gate+up and down; a decode step's 256 rows over 28 experts (weight bytes set the
+time there: TB/s of weights read once are printed beside TFLOP/s). Each JAX contender is first checked
+against the fp32 `lax.ragged_dot` reference (relative Frobenius error < 1e-2; bf16 outputs give ~1.7e-3);
+torch's output against the same reference. TFLOP/s count 2*M*K*N (gate+up: N = 2F). torch's gate+up is
+timed without and with a separate SiTU pass (ours fuses it). Results: $OUT/moe_interleaved.json and a
+table.
 """
 
 from __future__ import annotations

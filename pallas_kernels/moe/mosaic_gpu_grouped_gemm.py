@@ -168,6 +168,18 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                   collective_axes="wg")
 
 
+def sm_count() -> int:
+    """Streaming multiprocessors of the GPU the kernel is traced for: one persistent CTA each, so a
+    GPU with fewer SMs than an H200's 132 (an H100 PCIe's 114) does not run a second wave. The
+    abstract mesh's device where one is set (lowering without a GPU), else the first device's;
+    132 when that is no GPU (the interpreter)."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None:
+        return abstract.num_cores
+    device = jax.devices()[0]
+    return device.core_count if device.platform == "gpu" else 132
+
+
 def takes(x: jax.Array, w, block_cols: int = GATE_UP_COLS, kn: bool = False) -> bool:
     """Whether the kernel takes these operands: bf16 x [M, K] and dense bf16 weights [E, N, K]
     ([E, K, N] with ``kn``) with K a multiple of 64 and N of the column block (128 for gate+up,
@@ -179,7 +191,7 @@ def takes(x: jax.Array, w, block_cols: int = GATE_UP_COLS, kn: bool = False) -> 
 
 
 def _grouped(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *, finish,
-             block_cols: int, out_dtype, kn: bool, name: str, num_sms: int, stages: int,
+             block_cols: int, out_dtype, kn: bool, name: str, num_sms: int | None, stages: int,
              interpret: bool) -> jax.Array:
     """finish(x @ w_e^T for w in weights) per expert's rows (x @ w_e for ``kn`` weights), as one
     persistent kernel."""
@@ -202,7 +214,7 @@ def _grouped(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Arra
         functools.partial(_body, n_programs=meta.shape[0], n_groups=w0.shape[0],
                           block_cols=block_cols, stages=stages, finish=finish, kn=kn),
         out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
-        grid=(num_sms,),
+        grid=(num_sms or sm_count(),),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
@@ -216,22 +228,23 @@ def _grouped(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Arra
 @functools.partial(jax.jit, static_argnames=("beta", "linear_beta", "num_sms", "stages",
                                              "interpret"))
 def gate_up_situ_mgpu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array, *,
-                      beta: float = 4.0, linear_beta: float | None = 25.0, num_sms: int = 132,
+                      beta: float = 4.0, linear_beta: float | None = 25.0, num_sms: int | None = None,
                       stages: int = STAGES, interpret: bool = False) -> jax.Array:
     """SiTU(x @ w1_e^T, x @ w3_e^T) for rows grouped by expert: x [M, K] bf16 sorted by expert,
-    w1, w3 [E, N, K] bf16, group_sizes [E] int32 -> [M, N] bf16. ``num_sms``: persistent CTAs (the
-    H200's 132); ``stages``: k steps of tiles in flight. ``interpret``: Mosaic GPU's CPU
+    w1, w3 [E, N, K] bf16, group_sizes [E] int32 -> [M, N] bf16. ``num_sms``: persistent CTAs
+    (None: ``sm_count()``, one per SM); ``stages``: k steps of tiles in flight. ``interpret``: Mosaic GPU's CPU
     interpreter (tests)."""
     # the exact ops: approx_math makes them the fast hardware forms
     situ = lambda g, u: situ_f32(g, u, beta, linear_beta, approx=False)  # noqa: E731
     return _grouped(x, (w1, w3), group_sizes, finish=situ, block_cols=GATE_UP_COLS,
-                    out_dtype=x.dtype, kn=False, name="gate_up_situ_mgpu", num_sms=num_sms, stages=stages, interpret=interpret)
+                    out_dtype=x.dtype, kn=False, name="gate_up_situ_mgpu", num_sms=num_sms,
+                    stages=stages, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "weights_kn", "num_sms", "stages",
                                              "interpret"))
 def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None,
-                        weights_kn: bool = False, num_sms: int = 132, stages: int = STAGES,
+                        weights_kn: bool = False, num_sms: int | None = None, stages: int = STAGES,
                         interpret: bool = False) -> jax.Array:
     """x @ w_e^T for rows grouped by expert (the experts' down projection, and the backward's
     products): x [M, K] bf16 sorted by expert, w [E, N, K] bf16 with N % 256 == 0, group_sizes [E]

@@ -17,19 +17,18 @@ whole forward + backward at 28 experts x 16384 rows):
   dW1_e, dW3_e = dg_e^T x_e, du_e^T x_e                Pallas grouped_matmul_tn, each written in the weights'
                                                        dtype from its fp32 accumulator
 
-These five products run the Mosaic GPU kernel (``mosaic_gpu_grouped_gemm.grouped_matmul_mgpu``) where
-the forward's do (on the GPU, bf16, large groups: ``on_mosaic_gpu``), the Pallas-Triton
-``grouped_matmul`` elsewhere. The three weight gradients contract over each expert's rows (a
-"transposed" grouped GEMM whose output is one [P, Q] block per expert): `grouped_matmul_tn`, one program per (expert, output tile) looping over the
-expert's row tiles; it equals `lax.ragged_dot_general` with a ragged contracting dimension
-(`_ragged_rows_outer`, kept as its test oracle); its tiles are `bwd_cfg`'s (block_k 32 with 6 stages ran
-5% faster than the default 64 / 4 in one H200 job; expert load imbalance is not split across programs). The
-products with the forward's weights load them as stored, [E, K, N] tiles (`weights_kn`), so no transposed
-or concatenated copy of a layer's experts is made; the weight gradients are written in the weights' dtype
+These five products run the Mosaic GPU kernel (``mosaic_gpu_grouped_gemm.grouped_matmul_mgpu``) where the
+forward's do (on the GPU, bf16, large groups: ``on_mosaic_gpu``), the Pallas-Triton ``grouped_matmul``
+elsewhere. The three weight gradients contract over each expert's rows (a "transposed" grouped GEMM whose
+output is one [P, Q] block per expert): `grouped_matmul_tn`, one program per (expert, output tile) looping
+over the expert's row tiles; it equals `lax.ragged_dot_general` with a ragged contracting dimension
+(`_ragged_rows_outer`, kept as its test oracle); its tiles are `bwd_cfg`'s (block_k 32 with 6 stages ran 5%
+faster than the default 64 / 4 in one H200 job; expert load imbalance is not split across programs). The
+products with the forward's weights load them as stored, [E, K, N] tiles (`weights_kn`), so no transposed or
+concatenated copy of a layer's experts is made; the weight gradients are written in the weights' dtype
 straight from the fp32 accumulators, not as fp32 arrays cast afterwards. Timed on the H200 at 28 experts
-(benchmarks/RESULTS.md); the small-group tiles' path (weights as the MMA's left operand with [E, K, N]
-tiles, e.g. 112 experts) is tested in interpret mode and compiles for sm_90 offline, but was not yet run
-on a GPU.
+and at 112, the small-group tiles' path (weights as the MMA's left operand with [E, K, N] tiles; see
+benchmarks/RESULTS.md).
 
 SiTU derivative (fp32): with t1 = tanh(g/b1), s = sigmoid(g), gate = b1 t1 s,
   d gate / dg = (1 - t1^2) s + b1 t1 s (1 - s) = (1 - t1^2) s + gate (1 - s);

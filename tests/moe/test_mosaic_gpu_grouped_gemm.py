@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe.mosaic_gpu_grouped_gemm import (
-    ALIGN, ROWS, _work_table, gate_up_situ_mgpu, grouped_matmul_mgpu,
+    ALIGN, ROWS, _work_table, gate_up_situ_mgpu, grouped_matmul_mgpu, sm_count,
 )
 from pallas_kernels.moe.reference import situ
 from tests.h200_lowering import lowered_for_h200
@@ -152,6 +152,15 @@ def test_lowers_for_h200(m: int) -> None:
     text = lowered_for_h200(lambda *a: grouped_matmul_mgpu(*a, out_dtype=_F32, weights_kn=True),
                             S((m, f), _BF16), S((e, f, d), _BF16), S((e,), jnp.int32))
     assert "k3_moe_grouped_matmul_mgpu" in text
+
+
+def test_one_persistent_cta_per_sm_of_the_target_gpu() -> None:
+    """The CTA count follows the GPU traced for (an H100 PCIe has 114 SMs: 132 CTAs there would
+    run 18 in a second wave); 132 without a GPU."""
+    pcie = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 PCIe", num_cores=114, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=pcie)):
+        assert sm_count() == 114
+    assert sm_count() == (jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132)
 
 
 def test_rejects_what_it_cannot_take() -> None:
