@@ -1,6 +1,7 @@
-"""The routed experts' forward grouped GEMMs in Mosaic GPU (Hopper: TMA copies, wgmma, a producer
-warpgroup, persistent CTAs): gate+up with the SiTU epilogue (``gate_up_situ_mgpu``) and the plain
-down projection (``grouped_matmul_mgpu``).
+"""The routed experts' grouped GEMMs in Mosaic GPU (Hopper: TMA copies, wgmma, a producer warpgroup,
+persistent CTAs): gate+up with the SiTU epilogue (``gate_up_situ_mgpu``), and a plain product
+(``grouped_matmul_mgpu``) for the down projection and for the backward's products with the forward's
+weights (fp32 out, weights read [E, K, N] as stored).
 
 Same results as ``pallas_grouped_gemm.grouped_gate_up_situ`` / ``grouped_matmul`` on bf16 weights,
 over the same order of work (expert by expert, column block major, row tiles fastest, so co-resident
