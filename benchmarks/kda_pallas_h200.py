@@ -49,8 +49,8 @@ CONFIGS = [(64, 4, 2, 1, "fused"), (16, 4, 2, 1, "two_pass"), (128, 8, 2, 1, "fu
            (64, 8, 2, 1, "fused"), (16, 4, 1, 1, "two_pass"), (32, 4, 2, 1, "two_pass"),
            (64, 4, 1, 1, "segments")]
 if os.environ.get("KDA_CONFIGS"):
-    CONFIGS = [tuple(int(x) for x in item.split(",")[:4]) + ((item.split(",") + ["fused"])[4],)
-               for item in os.environ["KDA_CONFIGS"].split(";")]
+    CONFIGS = [(*map(int, f[:4]), f[4] if len(f) > 4 else "fused")
+               for f in (item.split(",") for item in os.environ["KDA_CONFIGS"].split(";"))]
 # the segmented inter stage's numerics: a gentle gate (dt_bias -6: g about -0.01 per step), so
 # the state crosses many chunks and a wrong segment start state shows
 SEGMENTS_CHECK = (1, 16384, 16)

@@ -189,26 +189,15 @@ def part_jax(budget_s: float, tune: bool = False) -> None:
         for cfg, approx in cfgs:
             tag = f"mosaic_gpu_s{approx}" if cfg == "mosaic_gpu" else cfg.label() + ("_approx" if approx else "")
             try:
-                if cfg == "mosaic_gpu" and fused:  # (a Mosaic GPU kernel, its stages)
-                    f = jax.jit(functools.partial(gate_up_situ_mgpu, stages=approx))
-                    out = f(x, w1, w3, gs)
-                    err = rel(out, ref)
-                    ms = bench(f, x, w1, w3, gs)
-                elif cfg == "mosaic_gpu":
-                    f = jax.jit(functools.partial(grouped_matmul_mgpu, stages=approx))
-                    out = f(x, w1, gs)
-                    err = rel(out, ref)
-                    ms = bench(f, x, w1, gs)
+                if cfg == "mosaic_gpu":  # (a Mosaic GPU kernel, its stages)
+                    f = functools.partial(gate_up_situ_mgpu if fused else grouped_matmul_mgpu, stages=approx)
                 elif fused:
-                    f = jax.jit(functools.partial(pg.grouped_gate_up_situ, cfg=cfg, approx_situ=approx))
-                    out = f(x, w1, w3, gs)
-                    err = rel(out, ref)
-                    ms = bench(f, x, w1, w3, gs)
+                    f = functools.partial(pg.grouped_gate_up_situ, cfg=cfg, approx_situ=approx)
                 else:
-                    f = jax.jit(functools.partial(pg.grouped_matmul, cfg=cfg))
-                    out = f(x, w1, gs)
-                    err = rel(out, ref)
-                    ms = bench(f, x, w1, gs)
+                    f = functools.partial(pg.grouped_matmul, cfg=cfg)
+                f, args = jax.jit(f), ((x, w1, w3, gs) if fused else (x, w1, gs))
+                err = rel(f(*args), ref)
+                ms = bench(f, *args)
                 ok = err < 1e-2
                 r["ours"][tag] = {"rel_err": err, "ok": ok, "ms_med_p20_p80": ms, "TFLOPs": flops / ms[0] / 1e9}
             except Exception as e:  # keep going: report the failure

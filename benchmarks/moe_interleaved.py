@@ -44,8 +44,8 @@ if os.environ.get("MOE_CASES"):  # "label,label" keeps those cases only
     CASES = [c for c in CASES if c[0] in os.environ["MOE_CASES"].split(",")]
 
 
-def contenders(kind: str, num_experts: int, x, w1, w3, gs) -> dict:
-    """name -> zero-argument call, for one case (JAX and torch)."""
+def contenders(kind: str, num_experts: int, x, w1, w3, gs) -> tuple[dict, dict]:
+    """(ours, peers) for one case: each name -> a zero-argument call (JAX, then torch)."""
     import jax
     import torch
 

@@ -68,10 +68,8 @@ def _body(*refs, n_chunks: int, nw: int, cols: int, fused: bool, interpret: bool
     """One CTA: ``nw`` warpgroups of ``cols`` state columns each. ``states_only``: no Qg, Aqk or o,
     only the final state; state columns at or past ``v_width`` (v's width) evolve with a zero v,
     so an identity there becomes the chunk range's transition matrix."""
-    if states_only:
-        x_ref, bk_ref, v_ref, bt_ref, kd_ref, gl_ref, h0_ref, ht_ref = refs
-    else:
-        x_ref, bk_ref, v_ref, bt_ref, qg_ref, kd_ref, a_ref, gl_ref, h0_ref, o_ref, ht_ref = refs
+    x_ref, bk_ref, v_ref, bt_ref, kd_ref, gl_ref, h0_ref, *rest = refs
+    qg_ref, a_ref, o_ref, ht_ref = (None, None, None, *rest) if states_only else rest
     K = bk_ref.shape[-1]
     b, h, vb = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
     w = lax.axis_index("wg")
@@ -252,8 +250,7 @@ def _launch(x, bk, v, beta, tiles_o, kd, gl, h0, *, fused: bool, interpret: bool
         kernel_name="kda_inter_mgpu" if tiles_o else "kda_states_mgpu",
     )
     beta_t = jnp.swapaxes(beta, 1, 2).astype(_F32)  # [B, H, T]: one TMA row per chunk
-    qg_aqk = tiles_o[:1] + (kd,) + tiles_o[1:] if tiles_o else (kd,)
-    return kernel(x, bk, v, beta_t, *qg_aqk, gl, h0.astype(_F32))
+    return kernel(x, bk, v, beta_t, kd, gl, h0.astype(_F32), *tiles_o)
 
 
 def inter_mgpu(x, bk, v, beta, qg, kd, aqk, gl, h0, *, fused: bool, interpret: bool,

@@ -181,7 +181,7 @@ def sm_count() -> int:
     return device.core_count if device.platform == "gpu" else 132
 
 
-def takes(x: jax.Array, w, block_cols: int = GATE_UP_COLS, kn: bool = False) -> bool:
+def takes(x: jax.Array, w, block_cols: int, kn: bool = False) -> bool:
     """Whether the kernel takes these operands: bf16 x [M, K] and dense bf16 weights [E, N, K]
     ([E, K, N] with ``kn``) with K a multiple of 64 and N of the column block (128 for gate+up,
     256 for a plain product)."""

@@ -56,8 +56,8 @@ is backend-neutral and can be reused by a later Mosaic-GPU kernel. Pallas-Triton
 after JAX 0.11, so pin jax<0.12 for this path or port it then. The forward's gate+up and down GEMMs for
 large groups have since been written in Mosaic GPU (``mosaic_gpu_grouped_gemm.py``: warp-specialised,
 persistent; 594 vs 488 TFLOP/s gate+up and 558 vs 495 down at 28 experts, timed in turns on the H200) and
-are what the expert MLP's forward runs there; this kernel keeps the small-group, decode-sized, MXFP4 and
-interpret-mode cases and every backward GEMM.
+are what the expert MLP runs there, as are the backward's products with the forward's weights; this kernel
+keeps the small-group, decode-sized, MXFP4 and interpret-mode cases and the weight gradients.
 
 Measured on one H200 (2026-11-29, benchmarks/RESULTS.md): gate+up+SiTU 528 TFLOP/s and down 540 TFLOP/s
 at 28 experts x 16384 rows (torch._grouped_mm without the activation: 541 / 508; XLA ragged_dot: 28 / 27);
