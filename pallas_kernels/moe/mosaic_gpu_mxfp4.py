@@ -2,25 +2,30 @@
 
 Why this kernel: wgmma reads its right operand from shared memory but its left one may come from
 registers. So the packed weights are made the left operand ("swap AB": the tile computes
-(x W^T)^T = W x^T, weight rows by token rows), and each compute warpgroup decodes its [64, 64] tile
-of E2M1 codes straight into the bf16 registers wgmma reads: the weights cross HBM and shared memory
-at 4.25 bits each and are never written back in bf16. (Decoding the layer first in XLA, or the
-Pallas-Triton kernel decoding into the right operand, ran at 0.63x / 0.50x of the bf16 kernel.)
+(x W^T)^T = W x^T, weight rows by token rows), and each compute warpgroup decodes its [64, 64]
+operands of E2M1 codes straight into the bf16 registers wgmma reads: the weights cross HBM and
+shared memory at 4.25 bits each (the release's bytes, no copy) and are never written back in bf16.
+On the H200 this runs at 0.77x the bf16 kernel, where decoding the layer in XLA first runs at 0.59x
+(benchmarks/RESULTS.md). With a zero operand in place of the decode the same kernel runs at 0.95x:
+the decode's instructions are what is left to cut.
 
 Work, tiles and stores as ``mosaic_gpu_grouped_gemm`` (its work table and row stores): one
-persistent CTA per SM, a producer warpgroup issuing TMA copies ``STAGES`` k steps ahead, two compute
-warpgroups. A tile is 128 token rows by 128 gate and 128 up columns; warpgroup w owns columns
-[64 w, 64 w + 64) of both, i.e. two [64, 128] fp32 accumulators (weight rows x token rows). The
-epilogue scales them back (``FOLD``), applies SiTU, and stores the transposed [128, 64] result.
+persistent CTA per SM, a producer warpgroup issuing TMA copies ``STAGES`` steps of ``STEP_K``
+ahead, two compute warpgroups. A tile is 128 token rows by 128 gate and 128 up columns; warpgroup w
+owns columns [64 w, 64 w + 64) of both, i.e. two [64, 128] fp32 accumulators (weight rows x token
+rows). A step decodes and multiplies four [64, 64] operands in turn, so each decode runs while the
+previous product does; all products finish within the step (left running across the loop's back
+edge, as the bf16 kernel does, the register operands came out as NaN on the H200). The epilogue
+scales the accumulators back (``FOLD``), applies SiTU and stores the transposed [128, 64] result.
 
-The decode (``_decode``, PTX in ``inline_mgpu``): Mosaic's 4-bit load layout gives each thread 8
-consecutive codes of a row in one 32-bit register; the code's bits are moved into a bf16's sign,
-exponent and mantissa fields (E2M1 is bf16 with a 2-bit exponent: ``s e1 e0 m`` -> bits 15, 8..7,
-6 give ``value * 2^-126``, the subnormal code 0.5 included) and multiplied by the block's scale
-times 2^(126 - FOLD). Two codes per instruction: five integer/bf16x2 instructions per pair. Which
-register slot of wgmma's operand layout a code lands in fixes an order of each k step's 64 columns
-(``x_column_order``); x's columns are permuted the same way by the caller, which leaves the sum over
-K unchanged and costs nothing inside the gather that sorts rows by expert.
+The decode (``_decoder``, PTX in ``inline_mgpu``): wgmma's 8-bit operand layout gives each thread 4
+consecutive bytes, i.e. 8 consecutive codes, of a row in one 32-bit register; the code's bits are
+moved into a bf16's sign, exponent and mantissa fields (E2M1 is bf16 with a 2-bit exponent:
+``s e1 e0 m`` -> bits 15, 8..7, 6 give ``value * 2^-126``, the subnormal code 0.5 included) and
+multiplied by the block's scale times 2^(126 - FOLD). Two codes per instruction: five
+integer/bf16x2 instructions per pair. Which register slot of wgmma's operand layout a code lands in
+fixes an order of each 64 columns (``x_column_order``); x's columns are permuted the same way by
+the caller, which leaves the sum over K unchanged and can ride the gather that sorts rows by expert.
 """
 
 from __future__ import annotations
