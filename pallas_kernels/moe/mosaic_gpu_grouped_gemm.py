@@ -70,6 +70,12 @@ def _work_table(group_sizes: jax.Array, num_rows: int, num_col_blocks: int) -> j
                       jnp.where(valid, block, 0)], axis=1).astype(jnp.int32)
 
 
+def _program(meta_ref, p):
+    """Row p of the work table (``_work_table``): load start, first row, end row, expert, column
+    block."""
+    return tuple(meta_ref[p, i] for i in range(5))
+
+
 def _store_rows(staged, out, offset, start, count):
     """``staged[offset:offset + count]`` to ``out[start:start + count]`` (traced, offset + count <=
     the staged rows) as one TMA copy per set bit of count: copies need static sizes, and other rows
@@ -119,8 +125,7 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
         @plgpu.nd_loop((n_programs,), collective_axes="sm")
         def _(info):
             (p,) = info.index
-            load, row_start, row_end = meta_ref[p, 0], meta_ref[p, 1], meta_ref[p, 2]
-            group, block = meta_ref[p, 3], meta_ref[p, 4]
+            load, row_start, row_end, group, block = _program(meta_ref, p)
             count = row_end - row_start
             real = group < n_groups  # the virtual expert past sum(group_sizes) stores zeros
             cols = pl.ds(pl.multiple_of(block * block_cols, block_cols), block_cols)

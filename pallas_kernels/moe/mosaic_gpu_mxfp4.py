@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.mosaic_gpu_grouped_gemm import (
-    ALIGN, DEPTH, MEMORY_REGISTERS, ROWS, TILES, _store_rows, _work_table, sm_count,
+    ALIGN, DEPTH, MEMORY_REGISTERS, ROWS, TILES, _program, _store_rows, _work_table, sm_count,
 )
 from pallas_kernels.moe.pallas_grouped_gemm import situ_f32
 
@@ -194,8 +194,7 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
         @plgpu.nd_loop((n_programs,), collective_axes="sm")
         def _(info):
             (p,) = info.index
-            load, row_start, row_end = meta_ref[p, 0], meta_ref[p, 1], meta_ref[p, 2]
-            group, block = meta_ref[p, 3], meta_ref[p, 4]
+            load, row_start, row_end, group, block = _program(meta_ref, p)
             count = row_end - row_start
             real = group < n_groups  # the virtual expert past sum(group_sizes) stores zeros
             col0 = pl.multiple_of(block * COLS + w * WG_COLS, WG_COLS)
