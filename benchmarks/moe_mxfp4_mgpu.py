@@ -12,12 +12,17 @@ process (medians of ``--rounds`` rounds, rotating order), at K3's widths (3584 -
   decode_first  the layer decoded to bf16 in XLA, then the bf16 kernel (the previous large-batch path)
   permute       x[:, x_column_order(K)] alone, for reference (in the model it rides the gather)
 
+and the whole routed layer (``routed_experts``, 2048 tokens x top-8 over 28 experts, down weights
+3072 -> 3584 packed too): packed weights (gate+up in this kernel, down decoded first) against the
+layer decoded first and against bf16 weights, after checking it against the bf16 weights' output.
+
     PYTHONPATH=. python3 benchmarks/moe_mxfp4_mgpu.py [--rounds 15]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 
@@ -104,7 +109,42 @@ def main(rounds: int) -> None:
                           **summary)), flush=True)
 
 
+def routed(rounds: int) -> None:
+    from pallas_kernels.moe.api import mxfp4_gate_up_in_mosaic_gpu, routed_experts
+    from pallas_kernels.moe.reference import MXFP4Experts, decode_experts
+
+    e, d, f, tokens, top_k = 28, 3584, 3072, 2048, 8
+    w1, w3 = (MXFP4Experts(*random_mxfp4(e, f, d, s)) for s in (10, 11))
+    w2 = MXFP4Experts(*random_mxfp4(e, d, f, 12))
+    x = jax.random.normal(jax.random.key(1), (tokens, d), jnp.float32).astype(jnp.bfloat16)
+    ids = jax.random.randint(jax.random.key(2), (tokens, top_k), 0, e)
+    gates = jax.nn.softmax(jax.random.normal(jax.random.key(3), (tokens, top_k)), axis=-1)
+    assert mxfp4_gate_up_in_mosaic_gpu("pallas", x, w1, w3, ids.size)
+    layer = functools.partial(routed_experts, beta=4.0, linear_beta=25.0, implementation="pallas")
+    packed = jax.jit(lambda x, w1, w2, w3: layer(x, w1, w2, w3, gates, ids))
+    decoded_first = jax.jit(lambda x, w1, w2, w3: layer(
+        x, *(decode_experts(w, jnp.bfloat16) for w in (w1, w2, w3)), gates, ids))
+    dense = [decode_experts(w, jnp.bfloat16) for w in (w1, w2, w3)]
+    ref = decoded_first(x, w1, w2, w3).astype(jnp.float32)
+    out = packed(x, w1, w2, w3).astype(jnp.float32)
+    rel = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+    print(json.dumps(dict(check="routed_experts packed vs decoded first", rel=rel)), flush=True)
+    assert rel < 1e-2, rel
+    contenders = {"packed": lambda: packed(x, w1, w2, w3),
+                  "decoded_first": lambda: decoded_first(x, w1, w2, w3),
+                  "bf16_weights": lambda: packed(x, *dense)}
+    names = list(contenders)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(median_ms(contenders[name], reps=3, inner=5))
+    print(json.dumps(dict(routed=(tokens, top_k, e, d, f), **{
+        name: round(statistics.median(t), 4) for name, t in times.items()})), flush=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
-    main(parser.parse_args().rounds)
+    args = parser.parse_args()
+    main(args.rounds)
+    routed(args.rounds)

@@ -246,6 +246,20 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
                   collective_axes="wg")
 
 
+def takes(x: jax.Array, w1, w3) -> bool:
+    """Whether the kernel takes these operands: bf16 x [M, K] and packed experts (``MXFP4Experts``
+    or anything with uint8 ``packed`` [E, N, K/2] and ``scale`` [E, N, K/32]) of one shape with K a
+    multiple of STEP_K and N of COLS."""
+    packed = [getattr(w, "packed", None) for w in (w1, w3)]
+    if any(p is None or p.dtype != jnp.uint8 or p.ndim != 3 for p in packed):
+        return False
+    e, n, half_k = packed[0].shape
+    k = 2 * half_k
+    return (x.dtype == _BF16 and x.ndim == 2 and x.shape[1] == k and k % STEP_K == 0
+            and n % COLS == 0 and packed[1].shape == packed[0].shape
+            and all(w.scale.shape == (e, n, k // BLOCK) for w in (w1, w3)))
+
+
 @functools.partial(jax.jit, static_argnames=("beta", "linear_beta", "num_sms", "stages"))
 def gate_up_situ_mxfp4_mgpu(x_ordered: jax.Array, packed1: jax.Array, scale1: jax.Array,
                             packed3: jax.Array, scale3: jax.Array, group_sizes: jax.Array, *,

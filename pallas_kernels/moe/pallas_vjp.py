@@ -44,9 +44,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe import mosaic_gpu_grouped_gemm
+from pallas_kernels.moe import mosaic_gpu_grouped_gemm, mosaic_gpu_mxfp4
 from pallas_kernels.moe.pallas_grouped_gemm import (
-    DOWN_DEFAULT, GATE_UP_DEFAULT, TileConfig, for_weights, grouped_gate_up_situ, grouped_matmul,
+    DOWN_DEFAULT, GATE_UP_DEFAULT, GATE_UP_MXFP4, TileConfig, for_weights, grouped_gate_up_situ, grouped_matmul,
     grouped_matmul_tn,
 )
 from pallas_kernels.moe.reference import MXFP4Experts, decode_experts
@@ -107,8 +107,14 @@ def on_mosaic_gpu(rows, w, cfg: TileConfig, large_groups: TileConfig, block_cols
 
 def _forward(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate_up_cfg, down_cfg):
     hidden, d_in, d_out = w1.shape[1], rows.shape[1], w2.shape[1]
-    if on_mosaic_gpu(rows, w1, gate_up_cfg, GATE_UP_DEFAULT, mosaic_gpu_grouped_gemm.GATE_UP_COLS,
-                     interpret):
+    if not interpret and gate_up_cfg == GATE_UP_MXFP4 and mosaic_gpu_mxfp4.takes(rows, w1, w3):
+        # packed weights, large groups: decoded in registers (rows' columns in the decode's order)
+        rows_ordered = rows[:, mosaic_gpu_mxfp4.x_column_order(d_in)]
+        h = mosaic_gpu_mxfp4.gate_up_situ_mxfp4_mgpu(rows_ordered, w1.packed, w1.scale, w3.packed,
+                                                     w3.scale, group_sizes, beta=beta,
+                                                     linear_beta=linear_beta)
+    elif on_mosaic_gpu(rows, w1, gate_up_cfg, GATE_UP_DEFAULT, mosaic_gpu_grouped_gemm.GATE_UP_COLS,
+                       interpret):
         h = mosaic_gpu_grouped_gemm.gate_up_situ_mgpu(rows, w1, w3, group_sizes, beta=beta,
                                                  linear_beta=linear_beta)
     else:

@@ -132,3 +132,46 @@ def test_rejects_operands_it_cannot_take(kwargs):
 def test_lowers_for_h200():
     text = lowered_for_h200(lambda *a: mx.gate_up_situ_mxfp4_mgpu(*a), *_operands(m=300))
     assert "k3_moe_gate_up_situ_mxfp4_mgpu" in text
+
+
+def _packed(e: int, n: int, k: int):
+    from pallas_kernels.moe.reference import MXFP4Experts
+
+    return MXFP4Experts(S((e, n, k // 2), _U8), S((e, n, k // 32), _U8))
+
+
+@pytest.mark.parametrize("experts, on_mosaic", [(28, True), (112, False)])
+def test_expert_mlp_takes_packed_gate_up_for_large_groups(experts: int, on_mosaic: bool):
+    """The routed experts' forward and gradient on the GPU (lowered for an abstract H200, K3 widths,
+    16384 rows) with packed gate/up weights and the down weights decoded (as `routed_experts` passes
+    them): this kernel for gate+up where the bf16 kernels would be Mosaic GPU's (28 experts), the
+    Triton kernels at 112; the backward decodes the packed weights in XLA."""
+    from pallas_kernels.moe.pallas_experts import grouped_expert_mlp
+
+    m, d, f = 16384, 3584, 3072
+    w1, w3 = _packed(experts, f, d), _packed(experts, f, d)
+
+    def loss(rows, gs, w1, w2, w3):
+        out = grouped_expert_mlp(rows, gs, w1, w2, w3, beta=4.0, linear_beta=25.0, interpret=False)
+        return out.astype(jnp.float32).sum()
+
+    args = (S((m, d), _BF16), S((experts,), jnp.int32), w1, S((experts, d, f), _BF16), w3)
+    text = lowered_for_h200(jax.value_and_grad(loss), *args)  # the value keeps the forward
+    assert ("k3_moe_gate_up_situ_mxfp4_mgpu" in text) == on_mosaic
+
+
+def test_routed_experts_keeps_gate_up_packed_only_where_the_kernel_runs(monkeypatch):
+    from pallas_kernels.moe import api
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    x = S((2048, 3584), _BF16)
+    w = _packed(28, 3072, 3584)
+    assert api.mxfp4_gate_up_in_mosaic_gpu("pallas", x, w, w, pairs=16384)
+    assert not api.mxfp4_gate_up_in_mosaic_gpu("pallas", x, w, w, pairs=256)  # decode-sized
+    assert not api.mxfp4_gate_up_in_mosaic_gpu("pallas", x, w, w, pairs=4096)  # small groups
+    assert not api.mxfp4_gate_up_in_mosaic_gpu("xla", x, w, w, pairs=16384)
+    assert not api.mxfp4_gate_up_in_mosaic_gpu("pallas", x, S((28, 3072, 3584), _BF16), w, pairs=16384)
+    odd = _packed(28, 3072, 3520)  # K not a multiple of STEP_K
+    assert not api.mxfp4_gate_up_in_mosaic_gpu("pallas", S((2048, 3520), _BF16), odd, odd, pairs=16384)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert not api.mxfp4_gate_up_in_mosaic_gpu("pallas", x, w, w, pairs=16384)
