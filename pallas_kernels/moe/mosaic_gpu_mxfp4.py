@@ -5,7 +5,7 @@ registers. So the packed weights are made the left operand ("swap AB": the tile 
 (x W^T)^T = W x^T, weight rows by token rows), and each compute warpgroup decodes its [64, 64]
 operands of E2M1 codes straight into the bf16 registers wgmma reads: the weights cross HBM and
 shared memory at 4.25 bits each (the release's bytes, no copy) and are never written back in bf16.
-On the H200 this runs at 0.77x the bf16 kernel, where decoding the layer in XLA first runs at 0.59x
+On the H200 this runs at 0.77-0.82x the bf16 kernel, where decoding the layer in XLA first runs at 0.59x
 (benchmarks/RESULTS.md). With a zero operand in place of the decode the same kernel runs at 0.95x:
 the decode's instructions are what is left to cut.
 
