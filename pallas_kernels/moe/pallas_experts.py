@@ -71,7 +71,8 @@ def experts_pallas(
     (None: `down_config` for bf16 weights, which merges a 32-row tail into the full tiles when experts are
     small).
     Weights may be `MXFP4Experts`: the grouped GEMMs then read the packed codes and scales and decode each
-    tile in registers (mxfp4_tile.py); the backward decodes the layer in XLA (packed weights get no gradient).
+    tile in registers (mxfp4_tile.py; gate+up with large groups on the GPU: mosaic_gpu_mxfp4.py); the
+    backward decodes the layer in XLA (packed weights get no gradient).
     On an H200 (2026-11-29, one ad-hoc run, before the backward's 2026-11-30 speed-ups): bf16 gradients within
     3-5e-3 of an fp32 oracle (XLA's bf16 path: the same), fwd+bwd 12.5 ms vs 1210 ms for XLA autodiff of
     experts_ragged_dot at 2048 tokens x top-8, 28 experts, 3584 -> 3072. The expert MLP alone now runs
