@@ -76,6 +76,13 @@ def _program(meta_ref, p):
     return tuple(meta_ref[p, i] for i in range(5))
 
 
+def _run_program(count, real, w, products, zeros) -> None:
+    """A program's work: ``products()`` (all warpgroups) for rows of a real expert, ``zeros()``
+    (the compute warpgroups only) for rows past sum(group_sizes); nothing for an idle program."""
+    pl.when((count > 0) & real)(products)
+    pl.when((count > 0) & ~real & (w < 2))(zeros)
+
+
 def _store_rows(staged, out, offset, start, count):
     """``staged[offset:offset + count]`` to ``out[start:start + count]`` (traced, offset + count <=
     the staged rows) as one TMA copy per set bit of count: copies need static sizes, and other rows
@@ -158,15 +165,10 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                 plgpu.wgmma_wait(len(accs))  # the last step's products are done: its slot is released
                 return accs
 
-            @pl.when((count > 0) & real)
-            def _():
-                pipeline(step, context)(x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), ROWS)],
-                                        *(weight_block(w_ref, group, cols) for w_ref in w_refs),
-                                        allocations=buffers)
-
-            @pl.when((count > 0) & ~real & (w < 2))  # the compute warpgroups, no products
-            def _():
-                stage_and_store(jnp.zeros((WG_ROWS, block_cols), o_ref.dtype))
+            _run_program(count, real, w, lambda: pipeline(step, context)(
+                x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), ROWS)],
+                *(weight_block(w_ref, group, cols) for w_ref in w_refs), allocations=buffers),
+                lambda: stage_and_store(jnp.zeros((WG_ROWS, block_cols), o_ref.dtype)))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

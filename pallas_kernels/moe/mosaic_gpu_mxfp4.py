@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.mosaic_gpu_grouped_gemm import (
-    ALIGN, DEPTH, MEMORY_REGISTERS, ROWS, TILES, _program, _store_rows, _work_table, sm_count,
+    ALIGN, DEPTH, MEMORY_REGISTERS, ROWS, TILES, _program, _run_program, _store_rows, _work_table, sm_count,
 )
 from pallas_kernels.moe.pallas_grouped_gemm import situ_f32
 
@@ -229,16 +229,13 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
                 plgpu.wgmma_wait(0)
                 return accs
 
-            @pl.when((count > 0) & real)
-            def _():
-                pipeline(step, context)(x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), ROWS)],
-                                        *blocks(group, pl.multiple_of(block * COLS, COLS)),
-                                        allocations=buffers)
+            def store_zeros():  # jnp.zeros is a splat: give it the transposed store's layout
+                stage_and_store(plgpu.layout_cast(jnp.zeros((WG_COLS, ROWS), o_ref.dtype),
+                                                  plgpu.Layout.WGMMA))
 
-            @pl.when((count > 0) & ~real & (w < 2))  # the compute warpgroups, no products
-            def _():
-                zeros = jnp.zeros((WG_COLS, ROWS), o_ref.dtype)  # a splat: give it the store's layout
-                stage_and_store(plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
+            _run_program(count, real, w, lambda: pipeline(step, context)(
+                x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), ROWS)],
+                *blocks(group, pl.multiple_of(block * COLS, COLS)), allocations=buffers), store_zeros)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
