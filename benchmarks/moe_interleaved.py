@@ -61,6 +61,8 @@ def contenders(kind: str, num_experts: int, x, w1, w3, gs) -> tuple[dict, dict]:
         tw = torch.cat([tw1, tw3], dim=1).transpose(-2, -1)  # [E, K, 2F], a transposed view of [E, 2F, K]
         calls = {
             "mosaic_gpu": jax.jit(mg.gate_up_situ_mgpu),
+            f"mosaic_gpu_tail{mg.TAIL_ROWS}": jax.jit(functools.partial(mg.gate_up_situ_mgpu,
+                                                                        tail_rows=mg.TAIL_ROWS)),
             f"triton_{cfg.label()}": jax.jit(functools.partial(pg.grouped_gate_up_situ, cfg=cfg)),
         }
         ours = {name: functools.partial(f, x, w1, w3, gs) for name, f in calls.items()}

@@ -43,29 +43,33 @@ ROWS, DEPTH = 128, 64  # a tile's rows, k per step
 WG_ROWS = ROWS // 2  # each compute warpgroup's rows of the tile (wgmma's 64-row M)
 GATE_UP_COLS = 128  # a tile's columns (weight rows) of gate+up: 128 of the gate, 128 of the up
 PLAIN_COLS = 256  # a tile's columns of a plain product (the down projection)
+TAIL_ROWS = 32  # extra rows of a gate+up tile with a tail: N of a swapped product
+TAIL_COLS = GATE_UP_COLS // 2  # each compute warpgroup's columns of a tile's tail rows (wgmma's M)
 STAGED_ROW_BYTES = 256  # bytes of an output row per staged store: 128 bf16 or 64 fp32 columns
 STAGES = 4  # k steps in flight: 4 x 48 KB of tiles + 32 KB of output staging fill the shared memory
+# (with a tail: 4 x 52 KB + 16 KB, the staging half as wide)
 MEMORY_REGISTERS = 40  # the producer warpgroup's registers (it only issues copies)
 ALIGN = 8  # rows per shared-memory tile: where a TMA copy of x may start
 TILES = (plgpu.TilingTransform((ALIGN, DEPTH)), plgpu.SwizzleTransform(128))  # 128-byte bf16 rows
 
 
-def _work_table(group_sizes: jax.Array, num_rows: int, num_col_blocks: int) -> jax.Array:
+def _work_table(group_sizes: jax.Array, num_rows: int, num_col_blocks: int,
+                tile_rows: int = ROWS) -> jax.Array:
     """int32 [P, 5], one row per (row tile, column block): (load start, first row, end row,
-    expert, column block). Expert e's rows [s, t) take tiles loading ROWS rows from
-    ``a = 8 floor(s / 8) + ROWS j`` and storing ``[max(s, a), min(t, a + ROWS))``. Rows past
+    expert, column block). Expert e's rows [s, t) take tiles loading R = ``tile_rows`` rows from
+    ``a = 8 floor(s / 8) + R j`` and storing ``[max(s, a), min(t, a + R))``. Rows past
     sum(group_sizes) form expert E (stored as zeros). Sized for the worst case (each expert adds at
     most one tile and 7 rows); the rest are idle (first row == end row). Groups and program order
     as ``pallas_grouped_gemm._schedule``'s (``group_bounds``, ``tile_programs``)."""
     n_groups = group_sizes.shape[0]
     starts, sizes = group_bounds(group_sizes, num_rows)
     ends, first = starts + sizes, starts // ALIGN * ALIGN
-    tiles = jnp.where(sizes > 0, (ends - first + ROWS - 1) // ROWS, 0)
-    n_programs = (pl.cdiv(num_rows + ALIGN * (n_groups + 1), ROWS) + n_groups + 1) * num_col_blocks
+    tiles = jnp.where(sizes > 0, (ends - first + tile_rows - 1) // tile_rows, 0)
+    n_programs = (pl.cdiv(num_rows + ALIGN * (n_groups + 1), tile_rows) + n_groups + 1) * num_col_blocks
     group, local, block, valid = tile_programs(tiles, num_col_blocks, n_programs)
-    load = first[group] + local * ROWS
+    load = first[group] + local * tile_rows
     row_start = jnp.where(valid, jnp.maximum(starts[group], load), 0)
-    row_end = jnp.where(valid, jnp.minimum(ends[group], load + ROWS), 0)
+    row_end = jnp.where(valid, jnp.minimum(ends[group], load + tile_rows), 0)
     return jnp.stack([jnp.where(valid, load, 0), row_start, row_end, group,
                       jnp.where(valid, block, 0)], axis=1).astype(jnp.int32)
 
@@ -99,14 +103,56 @@ def _store_rows(staged, out, offset, start, count):
         size //= 2
 
 
+@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA))
+def _store_transposed(ctx, staging, h_t):
+    """staging[t, n] = h_t[n, t] for a [64, T] array in wgmma's layout into a [T, 64] buffer: one
+    2-byte store per element (Mosaic's stores want the array's vectors along the memory's unit
+    stride; this runs once per tile, against its k steps of products)."""
+    del ctx
+    from jax.experimental.mosaic.gpu import utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, vector
+
+    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+    c = lambda v: utils.c(v, i32)  # noqa: E731
+    base = utils.memref_ptr(staging)  # [T, 64] bf16, rows contiguous
+    width = h_t.shape[0]
+    tid = utils.thread_idx()
+    lane = arith.remui(tid, c(32))
+    warp = arith.remui(arith.divui(tid, c(32)), c(4))
+    n0 = arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))  # h_t's row: a column here
+    t0 = arith.muli(arith.remui(lane, c(4)), c(2))  # h_t's first column: a row here
+    for col in range(h_t.shape[1] // 8):
+        for half in range(2):
+            pair = h_t.registers[0, col, 0, 0, half, 0, 0, 0, 0]
+            for e in range(2):
+                t = arith.addi(t0, c(8 * col + e))
+                flat = arith.addi(arith.muli(t, c(width)), arith.addi(n0, c(8 * half)))
+                value = utils.bitcast(vector.extract(pair, [], [e]), i16)
+                llvm.store(value, utils.getelementptr(base, [flat], i16))
+
+
+def store_transposed(staging, h_t, interpret: bool = False) -> None:
+    """staging[...] = h_t.T for a [64, T] result of a swapped product (weight rows by token rows);
+    the interpreter (which runs no PTX-level code) takes the transpose as it is."""
+    if interpret:
+        staging[...] = h_t.T
+    else:
+        _store_transposed(staging, h_t)
+
+
 def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: int, stages: int,
-          finish, kn: bool):
-    """One persistent CTA: the table's programs, each a [ROWS, block_cols] output tile from one
-    [block_cols, K] block of every weight (gate and up, or the one plain weight; [K, block_cols]
-    blocks of weights stored [E, K, N], ``kn``)."""
+          finish, kn: bool, tail_rows: int, interpret: bool):
+    """One persistent CTA: the table's programs, each a [ROWS + tail_rows, block_cols] output tile
+    from one [block_cols, K] block of every weight (gate and up, or the one plain weight;
+    [K, block_cols] blocks of weights stored [E, K, N], ``kn``). The tail rows (gate+up only) are a
+    swapped product: weight rows by token rows, each warpgroup its half of the columns."""
     *w_refs, o_ref = refs
     k_steps = x_ref.shape[1] // DEPTH
+    tile_rows = ROWS + tail_rows
     store_cols = min(block_cols, STAGED_ROW_BYTES // jnp.dtype(o_ref.dtype).itemsize)
+    if tail_rows:  # half-width staging leaves the shared memory for the taller x tiles
+        store_cols = TAIL_COLS
 
     def weight_block(w_ref, group, cols):
         """Expert ``group``'s weight rows ``cols`` (its columns, kn), all of K."""
@@ -119,12 +165,13 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                   else spec((block_cols, DEPTH), lambda k: (0, k)))
         return plgpu.emit_pipeline_warp_specialized(
             step, grid=(k_steps,), memory_registers=MEMORY_REGISTERS,
-            in_specs=[spec((ROWS, DEPTH), lambda k: (0, k))] + [w_spec] * len(w_refs),
+            in_specs=[spec((tile_rows, DEPTH), lambda k: (0, k))] + [w_spec] * len(w_refs),
             max_concurrent_steps=stages, wg_axis="wg", num_compute_wgs=2, compute_context=context)
 
     ignore = lambda *_, **__: None  # noqa: E731  (the allocations do not depend on the bodies)
     allocations = pipeline(ignore, ignore).get_allocations(
-        x_ref.at[pl.ds(0, ROWS)], *(weight_block(w_ref, 0, pl.ds(0, block_cols)) for w_ref in w_refs))
+        x_ref.at[pl.ds(0, tile_rows)],
+        *(weight_block(w_ref, 0, pl.ds(0, block_cols)) for w_ref in w_refs))
 
     def scope(buffers, staging):
         w = lax.axis_index("wg")
@@ -150,25 +197,54 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                     _store_rows(staging.at[w], o_ref.at[:, pl.ds(col0, store_cols)],
                                 first - wg_load, first, wg_count)
 
+            def stage_and_store_tail(h_t):
+                """A compute warpgroup's [TAIL_COLS, tail_rows] swapped result: the tail rows
+                (from load + ROWS) of its half of the columns."""
+                tail_start = load + ROWS  # row_start < tail_start: a tile's first row is < load + 8
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                buffer = staging.at[w, pl.ds(0, tail_rows)]
+                store_transposed(buffer, h_t, interpret)
+                plgpu.commit_smem()
+                col0 = pl.multiple_of(block * block_cols + w * TAIL_COLS, TAIL_COLS)
+                _store_rows(buffer, o_ref.at[:, pl.ds(col0, TAIL_COLS)], 0, tail_start,
+                            jnp.maximum(row_end - tail_start, 0))
+
             def context(run):
                 def accumulate(*accs):
                     run(accs)
-                    stage_and_store(finish(*(acc[...] for acc in accs)).astype(o_ref.dtype))
+                    main, tail = accs[:len(w_refs)], accs[len(w_refs):]
+                    stage_and_store(finish(*(acc[...] for acc in main)).astype(o_ref.dtype))
+                    if tail:
+                        stage_and_store_tail(finish(*(acc[...] for acc in tail)).astype(o_ref.dtype))
 
-                pl.run_scoped(accumulate, *(plgpu.ACC((WG_ROWS, block_cols), _F32) for _ in w_refs))
+                tail_accs = [plgpu.ACC((TAIL_COLS, tail_rows), _F32) for _ in w_refs if tail_rows]
+                pl.run_scoped(accumulate, *(plgpu.ACC((WG_ROWS, block_cols), _F32) for _ in w_refs),
+                              *tail_accs)
 
             def step(_, x_s, *rest):
                 *w_s, accs = rest
                 mine = x_s.at[pl.ds(pl.multiple_of(w * WG_ROWS, WG_ROWS), WG_ROWS)]
                 for acc, tile in zip(accs, w_s):  # a [K, N] operand: kn tiles as loaded
                     plgpu.wgmma(acc, mine, tile if kn else tile.transpose((1, 0)))
+                if tail_rows:  # my half of the weight rows by the tail's token rows
+                    tail = x_s.at[pl.ds(ROWS, tail_rows)].transpose((1, 0))
+                    my_cols = pl.ds(pl.multiple_of(w * TAIL_COLS, TAIL_COLS), TAIL_COLS)
+                    for acc, tile in zip(accs[len(w_s):], w_s):
+                        plgpu.wgmma(acc, tile.at[my_cols], tail)
                 plgpu.wgmma_wait(len(accs))  # the last step's products are done: its slot is released
                 return accs
 
+            def store_zeros():
+                stage_and_store(jnp.zeros((WG_ROWS, block_cols), o_ref.dtype))
+                if tail_rows:  # a splat: given the transposed store's layout
+                    zeros = jnp.zeros((TAIL_COLS, tail_rows), o_ref.dtype)
+                    stage_and_store_tail(zeros if interpret
+                                         else plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
+
             _run_program(count, real, w, lambda: pipeline(step, context)(
-                x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), ROWS)],
+                x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), tile_rows)],
                 *(weight_block(w_ref, group, cols) for w_ref in w_refs), allocations=buffers),
-                lambda: stage_and_store(jnp.zeros((WG_ROWS, block_cols), o_ref.dtype)))
+                store_zeros)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -200,7 +276,7 @@ def takes(x: jax.Array, w, block_cols: int, kn: bool = False) -> bool:
 
 def _grouped(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *, finish,
              block_cols: int, out_dtype, kn: bool, name: str, num_sms: int | None, stages: int,
-             interpret: bool) -> jax.Array:
+             interpret: bool, tail_rows: int = 0) -> jax.Array:
     """finish(x @ w_e^T for w in weights) per expert's rows (x @ w_e for ``kn`` weights), as one
     persistent kernel."""
     w0 = weights[0]
@@ -214,13 +290,14 @@ def _grouped(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Arra
     m0, n = x.shape[0], w0.shape[2] if kn else w0.shape[1]
     # x's TMA descriptor tiles it by 8 rows, and a tile's copy (ROWS rows) may be no taller than x;
     # the model's row counts (tokens x top-k) are multiples of 16, so this copy is for odd callers
-    rows = max(ROWS, -(-m0 // ALIGN) * ALIGN)
+    rows = max(ROWS + tail_rows, -(-m0 // ALIGN) * ALIGN)
     if rows != m0:
         x = jnp.pad(x, ((0, rows - m0), (0, 0)))
-    meta = _work_table(group_sizes, rows, n // block_cols)
+    meta = _work_table(group_sizes, rows, n // block_cols, ROWS + tail_rows)
     kernel = plgpu.kernel(
         functools.partial(_body, n_programs=meta.shape[0], n_groups=w0.shape[0],
-                          block_cols=block_cols, stages=stages, finish=finish, kn=kn),
+                          block_cols=block_cols, stages=stages, finish=finish, kn=kn,
+                          tail_rows=tail_rows, interpret=interpret),
         out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
         grid=(num_sms or sm_count(),),
         grid_names=("sm",),
@@ -234,19 +311,23 @@ def _grouped(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Arra
 
 
 @functools.partial(jax.jit, static_argnames=("beta", "linear_beta", "num_sms", "stages",
-                                             "interpret"))
+                                             "tail_rows", "interpret"))
 def gate_up_situ_mgpu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array, *,
                       beta: float = 4.0, linear_beta: float | None = 25.0, num_sms: int | None = None,
-                      stages: int = STAGES, interpret: bool = False) -> jax.Array:
+                      stages: int = STAGES, tail_rows: int = 0, interpret: bool = False) -> jax.Array:
     """SiTU(x @ w1_e^T, x @ w3_e^T) for rows grouped by expert: x [M, K] bf16 sorted by expert,
     w1, w3 [E, N, K] bf16, group_sizes [E] int32 -> [M, N] bf16. ``num_sms``: persistent CTAs
-    (None: ``sm_count()``, one per SM); ``stages``: k steps of tiles in flight. ``interpret``: Mosaic GPU's CPU
-    interpreter (tests)."""
+    (None: ``sm_count()``, one per SM); ``stages``: k steps of tiles in flight. ``tail_rows``: 0, or
+    TAIL_ROWS for tiles of ROWS + TAIL_ROWS rows (small groups, e.g. ~146 rows per expert at 112
+    experts, where a second 128-row tile would be mostly padding).
+    ``interpret``: Mosaic GPU's CPU interpreter (tests)."""
+    if tail_rows not in (0, TAIL_ROWS):
+        raise ValueError(f"gate_up_situ_mgpu: tail_rows={tail_rows}, expected 0 or {TAIL_ROWS}")
     # the exact ops: approx_math makes them the fast hardware forms
     situ = lambda g, u: situ_f32(g, u, beta, linear_beta, approx=False)  # noqa: E731
     return _grouped(x, (w1, w3), group_sizes, finish=situ, block_cols=GATE_UP_COLS,
                     out_dtype=x.dtype, kn=False, name="gate_up_situ_mgpu", num_sms=num_sms,
-                    stages=stages, interpret=interpret)
+                    stages=stages, interpret=interpret, tail_rows=tail_rows)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "weights_kn", "num_sms", "stages",

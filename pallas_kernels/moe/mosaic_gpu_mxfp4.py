@@ -40,7 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.mosaic_gpu_grouped_gemm import (
-    ALIGN, DEPTH, MEMORY_REGISTERS, ROWS, TILES, _program, _run_program, _store_rows, _work_table, sm_count,
+    ALIGN, DEPTH, MEMORY_REGISTERS, ROWS, TILES, _program, _run_program, _store_rows,
+    _store_transposed, _work_table, sm_count,
 )
 from pallas_kernels.moe.pallas_grouped_gemm import situ_f32
 
@@ -133,34 +134,6 @@ def _decoder(half: int):
         return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
     return decode
-
-
-@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA))
-def _store_transposed(ctx, staging, h_t):
-    """staging[t, n] = h_t[n, t] for a [64, 128] array in wgmma's layout: one 2-byte store per
-    element (Mosaic's stores want the array's vectors along the memory's unit stride; this epilogue
-    runs once per tile, against 56 k steps of products)."""
-    del ctx
-    from jax.experimental.mosaic.gpu import utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, vector
-
-    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-    c = lambda v: utils.c(v, i32)  # noqa: E731
-    base = utils.memref_ptr(staging)  # [ROWS, WG_COLS] bf16, rows contiguous
-    tid = utils.thread_idx()
-    lane = arith.remui(tid, c(32))
-    warp = arith.remui(arith.divui(tid, c(32)), c(4))
-    n0 = arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))  # h_t's row: a column here
-    t0 = arith.muli(arith.remui(lane, c(4)), c(2))  # h_t's first column: a row here
-    for col in range(h_t.shape[1] // 8):
-        for half in range(2):
-            pair = h_t.registers[0, col, 0, 0, half, 0, 0, 0, 0]
-            for e in range(2):
-                t = arith.addi(t0, c(8 * col + e))
-                flat = arith.addi(arith.muli(t, c(WG_COLS)), arith.addi(n0, c(8 * half)))
-                value = utils.bitcast(vector.extract(pair, [], [e]), i16)
-                llvm.store(value, utils.getelementptr(base, [flat], i16))
 
 
 def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs: int,
