@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe.mosaic_gpu_grouped_gemm import (
-    ALIGN, ROWS, _work_table, gate_up_situ_mgpu, grouped_matmul_mgpu, sm_count,
+    ALIGN, ROWS, TAIL_ROWS, _work_table, gate_up_situ_mgpu, grouped_matmul_mgpu, sm_count,
 )
 from pallas_kernels.moe.reference import situ
 from tests.h200_lowering import lowered_for_h200
@@ -86,6 +86,24 @@ def test_plain_product_matches_per_expert_products(m: int, sizes: list[int]) -> 
     _assert_matches(out, _expected(x, w, None, sizes), sizes)
 
 
+# tiles of ROWS + TAIL_ROWS rows: a group that fits one tile with its tail (150), one just past
+# it (161: a second tile of one row), an empty expert, rows of no expert; a group of more than two
+# tiles; fewer rows than a tile (x padded to ROWS + TAIL_ROWS)
+@pytest.mark.parametrize("m, sizes", [(400, [150, 161, 40, 9]), (300, [100, 0, 150]),
+                                      (520, [3, 340, 1, 170]), (40, [7, 33, 0])],
+                         ids=["tail and one past", "empty expert and spare rows", "three tiles",
+                              "rows < tile"])
+def test_tail_rows_match_per_expert_products(m: int, sizes: list[int]) -> None:
+    """The tail: its rows multiplied by swapped wgmmas ([cols, rows] accumulators) and stored
+    transposed, 64 columns of a warpgroup's 128 per round."""
+    x, w1, w3 = _case(5, m, len(sizes))
+    x = x.at[sum(sizes):].set(jnp.nan)
+    out = gate_up_situ_mgpu(x, w1, w3, jnp.asarray(sizes, jnp.int32), num_sms=4,
+                            tail_rows=TAIL_ROWS, interpret=True)
+    assert out.shape == (m, w1.shape[1]) and out.dtype == _BF16
+    _assert_matches(out, _expected(x, w1, w3, sizes), sizes)
+
+
 def test_three_stages_agree_with_four() -> None:
     x, w1, w3 = _case(1, 200, 2, k=256)
     sizes = jnp.asarray([90, 110], jnp.int32)
@@ -93,20 +111,21 @@ def test_three_stages_agree_with_four() -> None:
     assert jnp.array_equal(run(3), run(4))
 
 
+@pytest.mark.parametrize("tile_rows", [ROWS, ROWS + TAIL_ROWS])
 @pytest.mark.parametrize("seed", range(3))
-def test_work_table_covers_each_row_once(seed: int) -> None:
+def test_work_table_covers_each_row_once(seed: int, tile_rows: int) -> None:
     """Every row of every column block stored by exactly one tile of its own expert, each tile
-    loading ROWS rows from a multiple of 8 that contain the rows it stores."""
+    loading tile_rows rows from a multiple of 8 that contain the rows it stores."""
     r = np.random.default_rng(seed)
     e, blocks = 9, 3
     sizes = r.integers(0, 300, e) * (r.random(e) > 0.3)
     m = int(sizes.sum()) + int(r.integers(0, 50))
-    table = np.asarray(_work_table(jnp.asarray(sizes, jnp.int32), m, blocks))
+    table = np.asarray(_work_table(jnp.asarray(sizes, jnp.int32), m, blocks, tile_rows=tile_rows))
     load, start, end, group, block = table.T
     expert_of_row = np.concatenate([np.repeat(np.arange(e), sizes), np.full(m - sizes.sum(), e)])
     live = end > start
     assert np.all(load[live] % ALIGN == 0)
-    assert np.all((load[live] <= start[live]) & (end[live] <= load[live] + ROWS))
+    assert np.all((load[live] <= start[live]) & (end[live] <= load[live] + tile_rows))
     covered = np.zeros((blocks, m), int)
     for lo, hi, g, b in zip(start[live], end[live], group[live], block[live]):
         assert np.all(expert_of_row[lo:hi] == g)
@@ -148,6 +167,10 @@ def test_lowers_for_h200(m: int) -> None:
                             S((e,), jnp.int32))
     assert len(re.findall(r"custom_call @mosaic_gpu_v2\(", text)) == 1
     assert "k3_moe_grouped_matmul_mgpu" in text
+    # the tail's swapped wgmmas and second set of accumulators, at 112 experts (146 rows each)
+    text = lowered_for_h200(lambda *a: gate_up_situ_mgpu(*a, tail_rows=TAIL_ROWS), S((m, d), _BF16),
+                            S((4 * e, f, d), _BF16), S((4 * e, f, d), _BF16), S((4 * e,), jnp.int32))
+    assert len(re.findall(r"custom_call @mosaic_gpu_v2\(", text)) == 1
     # the backward's dx: [E, K, N] weights, fp32 out
     text = lowered_for_h200(lambda *a: grouped_matmul_mgpu(*a, out_dtype=_F32, weights_kn=True),
                             S((m, f), _BF16), S((e, f, d), _BF16), S((e,), jnp.int32))
@@ -172,6 +195,8 @@ def test_rejects_what_it_cannot_take() -> None:
         gate_up_situ_mgpu(x, w1[:, :192], w3[:, :192], sizes, interpret=True)
     with pytest.raises(ValueError, match=r"^gate_up_situ_mgpu: .* of one shape"):
         gate_up_situ_mgpu(x, w1, w3[:1], sizes, interpret=True)
+    with pytest.raises(ValueError, match=r"^gate_up_situ_mgpu: tail_rows=16, expected 0 or 32"):
+        gate_up_situ_mgpu(x, w1, w3, sizes, tail_rows=16, interpret=True)
     with pytest.raises(ValueError, match=r"^grouped_matmul_mgpu: .* N % 256 == 0, .* \(2, 128, 128\)"):
         grouped_matmul_mgpu(x, w1[:, :128], sizes, interpret=True)
     with pytest.raises(ValueError, match=r"^grouped_matmul_mgpu: .* weights \[E, K, N\] .* \(2, 256, 128\)"):
