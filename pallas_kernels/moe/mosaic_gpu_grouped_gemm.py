@@ -54,22 +54,27 @@ TILES = (plgpu.TilingTransform((ALIGN, DEPTH)), plgpu.SwizzleTransform(128))  # 
 
 
 def _work_table(group_sizes: jax.Array, num_rows: int, num_col_blocks: int,
-                tile_rows: int = ROWS) -> jax.Array:
+                tail_rows: int = 0) -> jax.Array:
     """int32 [P, 5], one row per (row tile, column block): (load start, first row, end row,
-    expert, column block). Expert e's rows [s, t) take tiles loading R = ``tile_rows`` rows from
-    ``a = 8 floor(s / 8) + R j`` and storing ``[max(s, a), min(t, a + R))``. Rows past
-    sum(group_sizes) form expert E (stored as zeros). Sized for the worst case (each expert adds at
-    most one tile and 7 rows); the rest are idle (first row == end row). Groups and program order
-    as ``pallas_grouped_gemm._schedule``'s (``group_bounds``, ``tile_programs``)."""
+    expert, column block). Expert e's rows [s, t) take ROWS-row tiles loading from
+    ``a = 8 floor(s / 8) + ROWS j`` and storing ``[max(s, a), min(t, a + ROWS))``; with
+    ``tail_rows``, a remainder of at most that many rows past the last full tile joins it (one tile
+    of up to ROWS + tail_rows rows: 146 rows run as one tile, not two). Rows past sum(group_sizes)
+    form expert E (stored as zeros). Sized for the worst case (each expert adds at most one tile
+    and 7 rows); the rest are idle (first row == end row). Groups and program order as
+    ``pallas_grouped_gemm._schedule``'s (``group_bounds``, ``tile_programs``)."""
     n_groups = group_sizes.shape[0]
     starts, sizes = group_bounds(group_sizes, num_rows)
     ends, first = starts + sizes, starts // ALIGN * ALIGN
-    tiles = jnp.where(sizes > 0, (ends - first + tile_rows - 1) // tile_rows, 0)
-    n_programs = (pl.cdiv(num_rows + ALIGN * (n_groups + 1), tile_rows) + n_groups + 1) * num_col_blocks
+    tiles = (ends - first + ROWS - 1) // ROWS
+    merged = (tiles >= 2) & (ends - first - (tiles - 1) * ROWS <= tail_rows)
+    tiles = jnp.where(sizes > 0, tiles - merged, 0)
+    n_programs = (pl.cdiv(num_rows + ALIGN * (n_groups + 1), ROWS) + n_groups + 1) * num_col_blocks
     group, local, block, valid = tile_programs(tiles, num_col_blocks, n_programs)
-    load = first[group] + local * tile_rows
+    load = first[group] + local * ROWS
+    last = local == tiles[group] - 1  # the last tile stores the rest (its tail, if merged)
     row_start = jnp.where(valid, jnp.maximum(starts[group], load), 0)
-    row_end = jnp.where(valid, jnp.minimum(ends[group], load + tile_rows), 0)
+    row_end = jnp.where(valid, jnp.where(last, ends[group], load + ROWS), 0)
     return jnp.stack([jnp.where(valid, load, 0), row_start, row_end, group,
                       jnp.where(valid, block, 0)], axis=1).astype(jnp.int32)
 
@@ -143,10 +148,11 @@ def store_transposed(staging, h_t, interpret: bool = False) -> None:
 
 def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: int, stages: int,
           finish, kn: bool, tail_rows: int, interpret: bool):
-    """One persistent CTA: the table's programs, each a [ROWS + tail_rows, block_cols] output tile
-    from one [block_cols, K] block of every weight (gate and up, or the one plain weight;
-    [K, block_cols] blocks of weights stored [E, K, N], ``kn``). The tail rows (gate+up only) are a
-    swapped product: weight rows by token rows, each warpgroup its half of the columns."""
+    """One persistent CTA: the table's programs, each a [ROWS, block_cols] output tile from one
+    [block_cols, K] block of every weight (gate and up, or the one plain weight; [K, block_cols]
+    blocks of weights stored [E, K, N], ``kn``). With ``tail_rows`` (gate+up only) every tile loads
+    ROWS + tail_rows rows of x, and a merged last tile multiplies the extra rows too, as a swapped
+    product: weight rows by token rows, each warpgroup its half of the columns."""
     *w_refs, o_ref = refs
     k_steps = x_ref.shape[1] // DEPTH
     tile_rows = ROWS + tail_rows
@@ -209,24 +215,28 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                 _store_rows(buffer, o_ref.at[:, pl.ds(col0, TAIL_COLS)], 0, tail_start,
                             jnp.maximum(row_end - tail_start, 0))
 
-            def context(run):
-                def accumulate(*accs):
-                    run(accs)
-                    main, tail = accs[:len(w_refs)], accs[len(w_refs):]
-                    stage_and_store(finish(*(acc[...] for acc in main)).astype(o_ref.dtype))
-                    if tail:
-                        stage_and_store_tail(finish(*(acc[...] for acc in tail)).astype(o_ref.dtype))
+            def context_for(with_tail: bool):
+                """The accumulators a program runs (with its tail's, ``with_tail``) and its
+                epilogue."""
+                def context(run):
+                    def accumulate(*accs):
+                        run(accs)
+                        main, tail = accs[:len(w_refs)], accs[len(w_refs):]
+                        stage_and_store(finish(*(acc[...] for acc in main)).astype(o_ref.dtype))
+                        if tail:
+                            stage_and_store_tail(finish(*(acc[...] for acc in tail)).astype(o_ref.dtype))
 
-                tail_accs = [plgpu.ACC((TAIL_COLS, tail_rows), _F32) for _ in w_refs if tail_rows]
-                pl.run_scoped(accumulate, *(plgpu.ACC((WG_ROWS, block_cols), _F32) for _ in w_refs),
-                              *tail_accs)
+                    tail_accs = [plgpu.ACC((TAIL_COLS, tail_rows), _F32) for _ in w_refs if with_tail]
+                    pl.run_scoped(accumulate, *(plgpu.ACC((WG_ROWS, block_cols), _F32) for _ in w_refs),
+                                  *tail_accs)
+                return context
 
             def step(_, x_s, *rest):
                 *w_s, accs = rest
                 mine = x_s.at[pl.ds(pl.multiple_of(w * WG_ROWS, WG_ROWS), WG_ROWS)]
                 for acc, tile in zip(accs, w_s):  # a [K, N] operand: kn tiles as loaded
                     plgpu.wgmma(acc, mine, tile if kn else tile.transpose((1, 0)))
-                if tail_rows:  # my half of the weight rows by the tail's token rows
+                if len(accs) > len(w_s):  # my half of the weight rows by the tail's token rows
                     tail = x_s.at[pl.ds(ROWS, tail_rows)].transpose((1, 0))
                     my_cols = pl.ds(pl.multiple_of(w * TAIL_COLS, TAIL_COLS), TAIL_COLS)
                     for acc, tile in zip(accs[len(w_s):], w_s):
@@ -234,17 +244,29 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                 plgpu.wgmma_wait(len(accs))  # the last step's products are done: its slot is released
                 return accs
 
+            def products(with_tail: bool):
+                return lambda: pipeline(step, context_for(with_tail))(
+                    x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), tile_rows)],
+                    *(weight_block(w_ref, group, cols) for w_ref in w_refs), allocations=buffers)
+
+            has_tail = row_end > load + ROWS  # only a merged last tile (``_work_table``)
+
+            def tail_zeros():  # a splat: given the transposed store's layout
+                zeros = jnp.zeros((TAIL_COLS, tail_rows), o_ref.dtype)
+                stage_and_store_tail(zeros if interpret
+                                     else plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
+
             def store_zeros():
                 stage_and_store(jnp.zeros((WG_ROWS, block_cols), o_ref.dtype))
-                if tail_rows:  # a splat: given the transposed store's layout
-                    zeros = jnp.zeros((TAIL_COLS, tail_rows), o_ref.dtype)
-                    stage_and_store_tail(zeros if interpret
-                                         else plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
+                if tail_rows:
+                    pl.when(has_tail)(tail_zeros)
 
-            _run_program(count, real, w, lambda: pipeline(step, context)(
-                x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), tile_rows)],
-                *(weight_block(w_ref, group, cols) for w_ref in w_refs), allocations=buffers),
-                store_zeros)
+            def either_products():  # two pipelines over the same buffers: tail wgmmas or none
+                pl.when(has_tail)(products(True))
+                pl.when(~has_tail)(products(False))
+
+            _run_program(count, real, w, either_products if tail_rows else products(False),
+                         store_zeros)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -293,7 +315,7 @@ def _grouped(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Arra
     rows = max(ROWS + tail_rows, -(-m0 // ALIGN) * ALIGN)
     if rows != m0:
         x = jnp.pad(x, ((0, rows - m0), (0, 0)))
-    meta = _work_table(group_sizes, rows, n // block_cols, ROWS + tail_rows)
+    meta = _work_table(group_sizes, rows, n // block_cols, tail_rows)
     kernel = plgpu.kernel(
         functools.partial(_body, n_programs=meta.shape[0], n_groups=w0.shape[0],
                           block_cols=block_cols, stages=stages, finish=finish, kn=kn,
@@ -318,8 +340,9 @@ def gate_up_situ_mgpu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: j
     """SiTU(x @ w1_e^T, x @ w3_e^T) for rows grouped by expert: x [M, K] bf16 sorted by expert,
     w1, w3 [E, N, K] bf16, group_sizes [E] int32 -> [M, N] bf16. ``num_sms``: persistent CTAs
     (None: ``sm_count()``, one per SM); ``stages``: k steps of tiles in flight. ``tail_rows``: 0, or
-    TAIL_ROWS for tiles of ROWS + TAIL_ROWS rows (small groups, e.g. ~146 rows per expert at 112
-    experts, where a second 128-row tile would be mostly padding).
+    TAIL_ROWS to merge an expert's remainder of up to that many rows into its last tile (small
+    groups, e.g. ~146 rows per expert at 112 experts, where a second 128-row tile would be mostly
+    padding).
     ``interpret``: Mosaic GPU's CPU interpreter (tests)."""
     if tail_rows not in (0, TAIL_ROWS):
         raise ValueError(f"gate_up_situ_mgpu: tail_rows={tail_rows}, expected 0 or {TAIL_ROWS}")

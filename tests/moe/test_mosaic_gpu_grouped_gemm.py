@@ -86,11 +86,12 @@ def test_plain_product_matches_per_expert_products(m: int, sizes: list[int]) -> 
     _assert_matches(out, _expected(x, w, None, sizes), sizes)
 
 
-# tiles of ROWS + TAIL_ROWS rows: a group that fits one tile with its tail (150), one just past
-# it (161: a second tile of one row), an empty expert, rows of no expert; a group of more than two
-# tiles; fewer rows than a tile (x padded to ROWS + TAIL_ROWS)
-@pytest.mark.parametrize("m, sizes", [(400, [150, 161, 40, 9]), (300, [100, 0, 150]),
-                                      (520, [3, 340, 1, 170]), (40, [7, 33, 0])],
+# a group that fits one tile with its tail (150), one just past it (161: two 128-row tiles, no
+# tail); an empty expert and 150 rows of no expert (zeros, merged); a group of three tiles (340)
+# and a merged one at an unaligned start (150 from row 345); fewer rows than a tile (x
+# padded to ROWS + TAIL_ROWS)
+@pytest.mark.parametrize("m, sizes", [(400, [150, 161, 40, 9]), (400, [100, 0, 150]),
+                                      (520, [3, 340, 2, 150]), (40, [7, 33, 0])],
                          ids=["tail and one past", "empty expert and spare rows", "three tiles",
                               "rows < tile"])
 def test_tail_rows_match_per_expert_products(m: int, sizes: list[int]) -> None:
@@ -111,21 +112,29 @@ def test_three_stages_agree_with_four() -> None:
     assert jnp.array_equal(run(3), run(4))
 
 
-@pytest.mark.parametrize("tile_rows", [ROWS, ROWS + TAIL_ROWS])
+@pytest.mark.parametrize("tail_rows", [0, TAIL_ROWS])
 @pytest.mark.parametrize("seed", range(3))
-def test_work_table_covers_each_row_once(seed: int, tile_rows: int) -> None:
+def test_work_table_covers_each_row_once(seed: int, tail_rows: int) -> None:
     """Every row of every column block stored by exactly one tile of its own expert, each tile
-    loading tile_rows rows from a multiple of 8 that contain the rows it stores."""
+    storing rows of the ROWS it loads from a multiple of 8; with a tail, an expert's last tile
+    also the next tail_rows, and only where that saves a tile."""
     r = np.random.default_rng(seed)
     e, blocks = 9, 3
     sizes = r.integers(0, 300, e) * (r.random(e) > 0.3)
     m = int(sizes.sum()) + int(r.integers(0, 50))
-    table = np.asarray(_work_table(jnp.asarray(sizes, jnp.int32), m, blocks, tile_rows=tile_rows))
+    table = np.asarray(_work_table(jnp.asarray(sizes, jnp.int32), m, blocks, tail_rows=tail_rows))
     load, start, end, group, block = table.T
     expert_of_row = np.concatenate([np.repeat(np.arange(e), sizes), np.full(m - sizes.sum(), e)])
     live = end > start
     assert np.all(load[live] % ALIGN == 0)
-    assert np.all((load[live] <= start[live]) & (end[live] <= load[live] + tile_rows))
+    assert np.all((load[live] <= start[live]) & (end[live] <= load[live] + ROWS + tail_rows))
+    group_end = np.cumsum(np.append(sizes, m - sizes.sum()))
+    group_start = group_end - np.append(sizes, m - sizes.sum())
+    merged = live & (end > load + ROWS)
+    assert np.all(end[merged] == group_end[group[merged]])  # only an expert's last tile
+    if tail_rows:  # a remainder that fits the tail is merged: no tile that short but a first
+        short = live & (end - load <= tail_rows)
+        assert np.all(start[short] == group_start[group[short]])
     covered = np.zeros((blocks, m), int)
     for lo, hi, g, b in zip(start[live], end[live], group[live], block[live]):
         assert np.all(expert_of_row[lo:hi] == g)
