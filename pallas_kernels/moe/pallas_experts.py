@@ -1,9 +1,9 @@
 """Routed experts on the Pallas grouped GEMMs: sort pairs by expert, fused gate+up+SiTU, down, combine.
 
 Same contract as `reference.experts_ragged_dot` (fp32 [N, out]); only the two grouped GEMMs differ. On a
-GPU backend the kernels are compiled through Pallas-Triton, except the forward's gate+up and down for large
-groups, which are Mosaic GPU (`pallas_vjp.on_mosaic_gpu`); elsewhere they run in interpret mode (slow,
-for tests only).
+GPU backend the kernels are compiled through Pallas-Triton, except the forward's gate+up (past decode
+sizes: `pallas_vjp.mosaic_gpu_gate_up_tail`) and down for large groups (`pallas_vjp.on_mosaic_gpu`), which
+are Mosaic GPU; elsewhere they run in interpret mode (slow, for tests only).
 """
 
 from __future__ import annotations

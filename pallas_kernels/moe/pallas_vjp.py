@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import mosaic_gpu_grouped_gemm, mosaic_gpu_mxfp4
 from pallas_kernels.moe.pallas_grouped_gemm import (
-    DOWN_DEFAULT, GATE_UP_DEFAULT, GATE_UP_MXFP4, TileConfig, for_weights, grouped_gate_up_situ, grouped_matmul,
+    DOWN_DEFAULT, GATE_UP_DEFAULT, GATE_UP_MXFP4, GATE_UP_SMALL_GROUPS, TileConfig, for_weights, grouped_gate_up_situ, grouped_matmul,
     grouped_matmul_tn,
 )
 from pallas_kernels.moe.reference import MXFP4Experts, decode_experts
@@ -94,15 +94,26 @@ def _fit_tn(cfg: TileConfig, p: int, q: int) -> TileConfig:
     return dataclasses.replace(fitted, block_m=fitted.block_k, block_k=cfg.block_k)
 
 
-def on_mosaic_gpu(rows, w, cfg: TileConfig, large_groups: TileConfig, block_cols: int,
-                  interpret: bool, weights_kn: bool = False) -> bool:
-    """Whether a grouped GEMM runs the Mosaic GPU kernels (``mosaic_gpu_grouped_gemm``) instead of the
-    Triton ones: on the GPU, bf16 rows and weights, where the Triton kernel would take its large-group
-    tiles (``large_groups``: GATE_UP_DEFAULT or DOWN_DEFAULT). At 112 experts the Triton kernels' merged
-    tails stay ahead (benchmarks/RESULTS.md). The interpreter (CPU) keeps the Triton kernels, which the
-    model's CPU tests run; the Mosaic GPU kernels have their own interpreter tests."""
-    return (not interpret and cfg == large_groups
-            and mosaic_gpu_grouped_gemm.takes(rows, w, block_cols, weights_kn))
+def on_mosaic_gpu(rows, w, cfg: TileConfig, interpret: bool, weights_kn: bool = False) -> bool:
+    """Whether a plain grouped GEMM (down, the backward's products) runs the Mosaic GPU kernel
+    (``grouped_matmul_mgpu``) instead of the Triton one: on the GPU, bf16 rows and weights, where
+    the Triton kernel would take its large-group tiles (DOWN_DEFAULT; gate+up:
+    ``mosaic_gpu_gate_up_tail``). At 112 experts the Triton down kernel's merged tails stay ahead
+    (benchmarks/RESULTS.md). The interpreter (CPU) keeps the Triton kernels, which the model's CPU
+    tests run; the Mosaic GPU kernels have their own interpreter tests."""
+    return (not interpret and cfg == DOWN_DEFAULT
+            and mosaic_gpu_grouped_gemm.takes(rows, w, mosaic_gpu_grouped_gemm.PLAIN_COLS, weights_kn))
+
+
+def mosaic_gpu_gate_up_tail(rows, w1, cfg: TileConfig, interpret: bool) -> int | None:
+    """The Mosaic GPU gate+up's ``tail_rows`` for these tiles, or None where the Triton kernel runs:
+    plain 128-row tiles for large groups (``GATE_UP_DEFAULT``), 32-row tails merged into an
+    expert's last tile for small ones (``GATE_UP_SMALL_GROUPS``: 477 TFLOP/s at 112 experts x 16384
+    rows against the Triton kernel's 412 in the same rounds, benchmarks/RESULTS.md). Decode-sized
+    batches keep the Triton kernel's 32-row tiles (reading the weights sets their time)."""
+    if interpret or not mosaic_gpu_grouped_gemm.takes(rows, w1, mosaic_gpu_grouped_gemm.GATE_UP_COLS):
+        return None
+    return {GATE_UP_DEFAULT: 0, GATE_UP_SMALL_GROUPS: mosaic_gpu_grouped_gemm.TAIL_ROWS}.get(cfg)
 
 
 def _forward(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate_up_cfg, down_cfg):
@@ -113,14 +124,13 @@ def _forward(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate_u
         h = mosaic_gpu_mxfp4.gate_up_situ_mxfp4_mgpu(rows_ordered, w1.packed, w1.scale, w3.packed,
                                                      w3.scale, group_sizes, beta=beta,
                                                      linear_beta=linear_beta)
-    elif on_mosaic_gpu(rows, w1, gate_up_cfg, GATE_UP_DEFAULT, mosaic_gpu_grouped_gemm.GATE_UP_COLS,
-                       interpret):
+    elif (tail_rows := mosaic_gpu_gate_up_tail(rows, w1, gate_up_cfg, interpret)) is not None:
         h = mosaic_gpu_grouped_gemm.gate_up_situ_mgpu(rows, w1, w3, group_sizes, beta=beta,
-                                                 linear_beta=linear_beta)
+                                                      linear_beta=linear_beta, tail_rows=tail_rows)
     else:
         h = grouped_gate_up_situ(rows, w1, w3, group_sizes, beta=beta, linear_beta=linear_beta,
                                  cfg=_fit(gate_up_cfg, d_in, hidden, w1), interpret=interpret)
-    if on_mosaic_gpu(h, w2, down_cfg, DOWN_DEFAULT, mosaic_gpu_grouped_gemm.PLAIN_COLS, interpret):
+    if on_mosaic_gpu(h, w2, down_cfg, interpret):
         return mosaic_gpu_grouped_gemm.grouped_matmul_mgpu(h, w2, group_sizes)
     return grouped_matmul(h, w2, group_sizes, cfg=_fit(down_cfg, hidden, d_out, w2), interpret=interpret)
 
@@ -151,8 +161,7 @@ def _expert_mlp_bwd(beta, linear_beta, interpret, gate_up_cfg, down_cfg, bwd_cfg
     def gemm(x, w, k: int, n: int, weights_kn: bool = False) -> jax.Array:
         """fp32 x @ w_e^T (x @ w_e with weights_kn); Mosaic GPU where the Triton kernel would take its
         large-group tiles, as in the forward."""
-        if on_mosaic_gpu(x, w, bwd_cfg, DOWN_DEFAULT, mosaic_gpu_grouped_gemm.PLAIN_COLS, interpret,
-                         weights_kn):
+        if on_mosaic_gpu(x, w, bwd_cfg, interpret, weights_kn):
             return mosaic_gpu_grouped_gemm.grouped_matmul_mgpu(x, w, group_sizes, out_dtype=F32,
                                                                weights_kn=weights_kn)
         return grouped_matmul(x, w, group_sizes, cfg=_fit(bwd_cfg, k, n, w), out_dtype=F32,

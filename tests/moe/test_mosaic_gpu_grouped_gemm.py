@@ -212,19 +212,27 @@ def test_rejects_what_it_cannot_take() -> None:
         grouped_matmul_mgpu(x, w1, sizes, weights_kn=True, interpret=True)  # K 256 != x's 128
 
 
-@pytest.mark.parametrize("experts, on_mosaic", [(28, True), (112, False)])
-def test_expert_mlp_forward_takes_them_for_large_groups(experts: int, on_mosaic: bool) -> None:
+@pytest.mark.parametrize("experts, tail", [(28, False), (112, True)])
+def test_expert_mlp_forward_takes_them_past_decode_sizes(experts: int, tail: bool) -> None:
     """The routed experts' forward on the GPU (lowered for an abstract H200, K3 widths, 16384
-    rows): gate+up and down in these kernels where the Triton kernels would take their large-group
-    tiles (28 experts, 585 rows each), the Triton merged-tail kernels at 112 (146 rows each)."""
+    rows): gate+up in the Mosaic GPU kernel, with merged tails at 112 experts (146 rows each);
+    down in it for large groups (28 experts, 585 rows each), the Triton merged-tail kernel at 112.
+    A decode-sized batch (256 rows) keeps both Triton kernels."""
     from pallas_kernels.moe.pallas_experts import grouped_expert_mlp
 
     S = jax.ShapeDtypeStruct
-    m, d, f = 16384, 3584, 3072
-    args = (S((m, d), _BF16), S((experts,), jnp.int32), S((experts, f, d), _BF16),
-            S((experts, d, f), _BF16), S((experts, f, d), _BF16))
-    text = lowered_for_h200(lambda rows, gs, w1, w2, w3: grouped_expert_mlp(
-        rows, gs, w1, w2, w3, beta=4.0, linear_beta=25.0, interpret=False), *args)
-    assert ("k3_moe_gate_up_situ_mgpu" in text) == on_mosaic
-    assert ("k3_moe_grouped_matmul_mgpu" in text) == on_mosaic
-    assert text.count("__gpu$xla.gpu.triton") == (0 if on_mosaic else 2)
+    d, f = 3584, 3072
+
+    def lowered(m: int) -> str:
+        args = (S((m, d), _BF16), S((experts,), jnp.int32), S((experts, f, d), _BF16),
+                S((experts, d, f), _BF16), S((experts, f, d), _BF16))
+        return lowered_for_h200(lambda rows, gs, w1, w2, w3: grouped_expert_mlp(
+            rows, gs, w1, w2, w3, beta=4.0, linear_beta=25.0, interpret=False), *args)
+
+    text = lowered(16384)
+    assert "k3_moe_gate_up_situ_mgpu" in text
+    assert ("k3_moe_grouped_matmul_mgpu" in text) == (not tail)
+    assert text.count("__gpu$xla.gpu.triton") == (1 if tail else 0)
+    assert text.count("mosaic_gpu_v2(") == (1 if tail else 2)
+    text = lowered(256)
+    assert "mosaic_gpu_v2(" not in text and text.count("__gpu$xla.gpu.triton") == 2

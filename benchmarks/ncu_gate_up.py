@@ -1,0 +1,37 @@
+"""One launch each of the bf16 and the MXFP4 Mosaic GPU gate+up kernels (K3's widths, 28 experts x
+16384 rows), for Nsight Compute: the profile that shows where the MXFP4 kernel's time goes against
+the bf16 kernel's (tensor-core use, issue slots, warp stalls).
+
+    ncu --kernel-name regex:k3_moe_gate_up --launch-count 2 --section SpeedOfLight \\
+        --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats \\
+        --section SchedulerStats --section Occupancy \\
+        python3 benchmarks/ncu_gate_up.py
+
+Outputs are checked against each other first (the release decoder's bf16 weights), so the profiled
+launches compute what the benchmarks time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.moe_mxfp4_mgpu import case
+from pallas_kernels.moe.mosaic_gpu_grouped_gemm import gate_up_situ_mgpu
+from pallas_kernels.moe.mosaic_gpu_mxfp4 import gate_up_situ_mxfp4_mgpu
+
+
+def main() -> None:
+    e, n, k, m = 28, 3072, 3584, 16384
+    c = case(e, n, k, [m // e + (i < m % e) for i in range(e)], 0)
+    bf16 = gate_up_situ_mgpu(c["x"], c["w1"], c["w3"], c["gs"])
+    mxfp4 = gate_up_situ_mxfp4_mgpu(c["x_ordered"], c["p1"], c["s1"], c["p3"], c["s3"], c["gs"])
+    ref = bf16.astype(jnp.float32)
+    rel = float(jnp.max(jnp.abs(mxfp4.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+    print(f"mxfp4 vs bf16 kernel: max relative difference {rel:.2e}", flush=True)
+    assert rel < 1e-2, rel
+    jax.block_until_ready((bf16, mxfp4))
+
+
+if __name__ == "__main__":
+    main()
