@@ -80,6 +80,8 @@ def contenders(kind: str, num_experts: int, x, w1, w3, gs) -> tuple[dict, dict]:
     else:
         cfg = pg.down_config(rows, num_experts)
         calls = {"mosaic_gpu": jax.jit(mg.grouped_matmul_mgpu),
+                 f"mosaic_gpu_tail{mg.TAIL_ROWS}": jax.jit(functools.partial(mg.grouped_matmul_mgpu,
+                                                                             tail_rows=mg.TAIL_ROWS)),
                  f"triton_{cfg.label()}": jax.jit(functools.partial(pg.grouped_matmul, cfg=cfg))}
         ours = {name: functools.partial(f, x, w1, gs) for name, f in calls.items()}
         tw = tw1.transpose(-2, -1)

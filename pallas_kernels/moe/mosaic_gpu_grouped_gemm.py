@@ -43,11 +43,11 @@ ROWS, DEPTH = 128, 64  # a tile's rows, k per step
 WG_ROWS = ROWS // 2  # each compute warpgroup's rows of the tile (wgmma's 64-row M)
 GATE_UP_COLS = 128  # a tile's columns (weight rows) of gate+up: 128 of the gate, 128 of the up
 PLAIN_COLS = 256  # a tile's columns of a plain product (the down projection)
-TAIL_ROWS = 32  # extra rows of a gate+up tile with a tail: N of a swapped product
-TAIL_COLS = GATE_UP_COLS // 2  # each compute warpgroup's columns of a tile's tail rows (wgmma's M)
+TAIL_ROWS = 32  # extra rows of a tile with a tail: N of a swapped product
+TAIL_STORE_COLS = 64  # columns per staged store with a tail (the staging half as wide)
 STAGED_ROW_BYTES = 256  # bytes of an output row per staged store: 128 bf16 or 64 fp32 columns
 STAGES = 4  # k steps in flight: 4 x 48 KB of tiles + 32 KB of output staging fill the shared memory
-# (with a tail: 4 x 52 KB + 16 KB, the staging half as wide)
+# (with a tail: 4 x 52 KB + 16 KB)
 MEMORY_REGISTERS = 40  # the producer warpgroup's registers (it only issues copies)
 ALIGN = 8  # rows per shared-memory tile: where a TMA copy of x may start
 TILES = (plgpu.TilingTransform((ALIGN, DEPTH)), plgpu.SwizzleTransform(128))  # 128-byte bf16 rows
@@ -150,15 +150,16 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
           finish, kn: bool, tail_rows: int, interpret: bool):
     """One persistent CTA: the table's programs, each a [ROWS, block_cols] output tile from one
     [block_cols, K] block of every weight (gate and up, or the one plain weight; [K, block_cols]
-    blocks of weights stored [E, K, N], ``kn``). With ``tail_rows`` (gate+up only) every tile loads
-    ROWS + tail_rows rows of x, and a merged last tile multiplies the extra rows too, as a swapped
-    product: weight rows by token rows, each warpgroup its half of the columns."""
+    blocks of weights stored [E, K, N], ``kn``). With ``tail_rows`` (bf16 out, weights [E, N, K])
+    every tile loads ROWS + tail_rows rows of x, and a merged last tile multiplies the extra rows
+    too, as a swapped product: weight rows by token rows, each warpgroup its half of the columns."""
     *w_refs, o_ref = refs
     k_steps = x_ref.shape[1] // DEPTH
     tile_rows = ROWS + tail_rows
     store_cols = min(block_cols, STAGED_ROW_BYTES // jnp.dtype(o_ref.dtype).itemsize)
+    tail_cols = block_cols // 2  # each compute warpgroup's columns of the tail rows (wgmma's M)
     if tail_rows:  # half-width staging leaves the shared memory for the taller x tiles
-        store_cols = TAIL_COLS
+        store_cols = TAIL_STORE_COLS
 
     def weight_block(w_ref, group, cols):
         """Expert ``group``'s weight rows ``cols`` (its columns, kn), all of K."""
@@ -204,16 +205,19 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                                 first - wg_load, first, wg_count)
 
             def stage_and_store_tail(h_t):
-                """A compute warpgroup's [TAIL_COLS, tail_rows] swapped result: the tail rows
-                (from load + ROWS) of its half of the columns."""
+                """A compute warpgroup's [tail_cols, tail_rows] swapped result: the tail rows
+                (from load + ROWS) of its half of the columns, TAIL_STORE_COLS at a time."""
                 tail_start = load + ROWS  # row_start < tail_start: a tile's first row is < load + 8
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 buffer = staging.at[w, pl.ds(0, tail_rows)]
-                store_transposed(buffer, h_t, interpret)
-                plgpu.commit_smem()
-                col0 = pl.multiple_of(block * block_cols + w * TAIL_COLS, TAIL_COLS)
-                _store_rows(buffer, o_ref.at[:, pl.ds(col0, TAIL_COLS)], 0, tail_start,
-                            jnp.maximum(row_end - tail_start, 0))
+                for c in range(tail_cols // TAIL_STORE_COLS):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    store_transposed(buffer, h_t[c * TAIL_STORE_COLS:(c + 1) * TAIL_STORE_COLS],
+                                     interpret)
+                    plgpu.commit_smem()
+                    col0 = pl.multiple_of(block * block_cols + w * tail_cols + c * TAIL_STORE_COLS,
+                                          TAIL_STORE_COLS)
+                    _store_rows(buffer, o_ref.at[:, pl.ds(col0, TAIL_STORE_COLS)], 0, tail_start,
+                                jnp.maximum(row_end - tail_start, 0))
 
             def context_for(with_tail: bool):
                 """The accumulators a program runs (with its tail's, ``with_tail``) and its
@@ -226,7 +230,7 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                         if tail:
                             stage_and_store_tail(finish(*(acc[...] for acc in tail)).astype(o_ref.dtype))
 
-                    tail_accs = [plgpu.ACC((TAIL_COLS, tail_rows), _F32) for _ in w_refs if with_tail]
+                    tail_accs = [plgpu.ACC((tail_cols, tail_rows), _F32) for _ in w_refs if with_tail]
                     pl.run_scoped(accumulate, *(plgpu.ACC((WG_ROWS, block_cols), _F32) for _ in w_refs),
                                   *tail_accs)
                 return context
@@ -238,7 +242,7 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                     plgpu.wgmma(acc, mine, tile if kn else tile.transpose((1, 0)))
                 if len(accs) > len(w_s):  # my half of the weight rows by the tail's token rows
                     tail = x_s.at[pl.ds(ROWS, tail_rows)].transpose((1, 0))
-                    my_cols = pl.ds(pl.multiple_of(w * TAIL_COLS, TAIL_COLS), TAIL_COLS)
+                    my_cols = pl.ds(pl.multiple_of(w * tail_cols, tail_cols), tail_cols)
                     for acc, tile in zip(accs[len(w_s):], w_s):
                         plgpu.wgmma(acc, tile.at[my_cols], tail)
                 plgpu.wgmma_wait(len(accs))  # the last step's products are done: its slot is released
@@ -252,7 +256,7 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
             has_tail = row_end > load + ROWS  # only a merged last tile (``_work_table``)
 
             def tail_zeros():  # a splat: given the transposed store's layout
-                zeros = jnp.zeros((TAIL_COLS, tail_rows), o_ref.dtype)
+                zeros = jnp.zeros((tail_cols, tail_rows), o_ref.dtype)
                 stage_and_store_tail(zeros if interpret
                                      else plgpu.layout_cast(zeros, plgpu.Layout.WGMMA))
 
@@ -332,6 +336,11 @@ def _grouped(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Arra
     return kernel(meta, x, *weights)[:m0]
 
 
+def _check_tail(name: str, tail_rows: int) -> None:
+    if tail_rows not in (0, TAIL_ROWS):
+        raise ValueError(f"{name}: tail_rows={tail_rows}, expected 0 or {TAIL_ROWS}")
+
+
 @functools.partial(jax.jit, static_argnames=("beta", "linear_beta", "num_sms", "stages",
                                              "tail_rows", "interpret"))
 def gate_up_situ_mgpu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: jax.Array, *,
@@ -344,8 +353,7 @@ def gate_up_situ_mgpu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: j
     groups, e.g. ~146 rows per expert at 112 experts, where a second 128-row tile would be mostly
     padding).
     ``interpret``: Mosaic GPU's CPU interpreter (tests)."""
-    if tail_rows not in (0, TAIL_ROWS):
-        raise ValueError(f"gate_up_situ_mgpu: tail_rows={tail_rows}, expected 0 or {TAIL_ROWS}")
+    _check_tail("gate_up_situ_mgpu", tail_rows)
     # the exact ops: approx_math makes them the fast hardware forms
     situ = lambda g, u: situ_f32(g, u, beta, linear_beta, approx=False)  # noqa: E731
     return _grouped(x, (w1, w3), group_sizes, finish=situ, block_cols=GATE_UP_COLS,
@@ -354,15 +362,21 @@ def gate_up_situ_mgpu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: j
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "weights_kn", "num_sms", "stages",
-                                             "interpret"))
+                                             "tail_rows", "interpret"))
 def grouped_matmul_mgpu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None,
                         weights_kn: bool = False, num_sms: int | None = None, stages: int = STAGES,
-                        interpret: bool = False) -> jax.Array:
+                        tail_rows: int = 0, interpret: bool = False) -> jax.Array:
     """x @ w_e^T for rows grouped by expert (the experts' down projection, and the backward's
     products): x [M, K] bf16 sorted by expert, w [E, N, K] bf16 with N % 256 == 0, group_sizes [E]
     int32 -> [M, N] in ``out_dtype`` (x's by default; fp32 keeps the accumulator). ``weights_kn``:
     w is [E, K, N] and the result x @ w_e, as the backward multiplies by the forward's weights
-    without a transposed copy. Rows past sum(group_sizes) are zeros, as in ``lax.ragged_dot``."""
+    without a transposed copy. ``tail_rows``: as ``gate_up_situ_mgpu``'s (bf16 out, weights
+    [E, N, K] only). Rows past sum(group_sizes) are zeros, as in ``lax.ragged_dot``."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    _check_tail("grouped_matmul_mgpu", tail_rows)
+    if tail_rows and (weights_kn or out_dtype != _BF16):
+        raise ValueError(f"grouped_matmul_mgpu: tail_rows={tail_rows} wants bf16 out and weights "
+                         f"[E, N, K], got out_dtype {out_dtype}, weights_kn={weights_kn}")
     return _grouped(x, (w,), group_sizes, finish=lambda acc: acc, block_cols=PLAIN_COLS,
-                    out_dtype=jnp.dtype(out_dtype or x.dtype), kn=weights_kn,
-                    name="grouped_matmul_mgpu", num_sms=num_sms, stages=stages, interpret=interpret)
+                    out_dtype=out_dtype, kn=weights_kn, name="grouped_matmul_mgpu",
+                    num_sms=num_sms, stages=stages, interpret=interpret, tail_rows=tail_rows)

@@ -105,6 +105,18 @@ def test_tail_rows_match_per_expert_products(m: int, sizes: list[int]) -> None:
     _assert_matches(out, _expected(x, w1, w3, sizes), sizes)
 
 
+# the plain product's tail: [128, 32] swapped accumulators, stored 64 columns at a time
+@pytest.mark.parametrize("m, sizes", [(400, [150, 161, 40, 9]), (400, [100, 0, 150])],
+                         ids=["tail and one past", "empty expert and spare rows"])
+def test_plain_product_tail_rows(m: int, sizes: list[int]) -> None:
+    x, w, _ = _case(6, m, len(sizes), n=512)
+    x = x.at[sum(sizes):].set(jnp.nan)
+    out = grouped_matmul_mgpu(x, w, jnp.asarray(sizes, jnp.int32), num_sms=3, tail_rows=TAIL_ROWS,
+                              interpret=True)
+    assert out.shape == (m, w.shape[1]) and out.dtype == _BF16
+    _assert_matches(out, _expected(x, w, None, sizes), sizes)
+
+
 def test_three_stages_agree_with_four() -> None:
     x, w1, w3 = _case(1, 200, 2, k=256)
     sizes = jnp.asarray([90, 110], jnp.int32)
@@ -180,6 +192,9 @@ def test_lowers_for_h200(m: int) -> None:
     text = lowered_for_h200(lambda *a: gate_up_situ_mgpu(*a, tail_rows=TAIL_ROWS), S((m, d), _BF16),
                             S((4 * e, f, d), _BF16), S((4 * e, f, d), _BF16), S((4 * e,), jnp.int32))
     assert len(re.findall(r"custom_call @mosaic_gpu_v2\(", text)) == 1
+    text = lowered_for_h200(lambda *a: grouped_matmul_mgpu(*a, tail_rows=TAIL_ROWS), S((m, f), _BF16),
+                            S((4 * e, d, f), _BF16), S((4 * e,), jnp.int32))
+    assert len(re.findall(r"custom_call @mosaic_gpu_v2\(", text)) == 1
     # the backward's dx: [E, K, N] weights, fp32 out
     text = lowered_for_h200(lambda *a: grouped_matmul_mgpu(*a, out_dtype=_F32, weights_kn=True),
                             S((m, f), _BF16), S((e, f, d), _BF16), S((e,), jnp.int32))
@@ -206,6 +221,8 @@ def test_rejects_what_it_cannot_take() -> None:
         gate_up_situ_mgpu(x, w1, w3[:1], sizes, interpret=True)
     with pytest.raises(ValueError, match=r"^gate_up_situ_mgpu: tail_rows=16, expected 0 or 32"):
         gate_up_situ_mgpu(x, w1, w3, sizes, tail_rows=16, interpret=True)
+    with pytest.raises(ValueError, match=r"^grouped_matmul_mgpu: tail_rows=32 wants bf16 out .* float32"):
+        grouped_matmul_mgpu(x, w1, sizes, tail_rows=TAIL_ROWS, out_dtype=_F32, interpret=True)
     with pytest.raises(ValueError, match=r"^grouped_matmul_mgpu: .* N % 256 == 0, .* \(2, 128, 128\)"):
         grouped_matmul_mgpu(x, w1[:, :128], sizes, interpret=True)
     with pytest.raises(ValueError, match=r"^grouped_matmul_mgpu: .* weights \[E, K, N\] .* \(2, 256, 128\)"):
