@@ -2,17 +2,20 @@
 16384 rows), for Nsight Compute: the profile that shows where the MXFP4 kernel's time goes against
 the bf16 kernel's (tensor-core use, issue slots, warp stalls).
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --kernel-name regex:k3_moe_gate_up --launch-count 2 --section SpeedOfLight \\
+    ncu --kernel-name regex:k3_moe_gate_up --launch-count 2 --section SpeedOfLight \\
         --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats \\
         --section SchedulerStats --section Occupancy \\
         python3 benchmarks/ncu_gate_up.py
 
-Without preallocation the profiler's replay saves and restores only the live buffers rather than
-most of the GPU's memory. The two outputs are checked against each other afterwards (the release
-decoder's bf16 weights), so the profiled launches compute what the benchmarks time.
+The script turns off JAX's preallocation, so the profiler's replay saves and restores only the live
+buffers, not most of the GPU's memory (a preallocating run crashed under it). The two outputs are
+checked against each other afterwards (the release decoder's bf16 weights), so the profiled
+launches compute what the benchmarks time.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,7 @@ from pallas_kernels.moe.mosaic_gpu_mxfp4 import gate_up_situ_mxfp4_mgpu
 
 
 def main() -> None:
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # read when the GPU client is made
     e, n, k, m = 28, 3072, 3584, 16384
     c = case(e, n, k, [m // e + (i < m % e) for i in range(e)], 0)
     bf16 = jax.block_until_ready(gate_up_situ_mgpu(c["x"], c["w1"], c["w3"], c["gs"]))
