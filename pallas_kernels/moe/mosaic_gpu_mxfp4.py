@@ -5,9 +5,10 @@ registers. So the packed weights are made the left operand ("swap AB": the tile 
 (x W^T)^T = W x^T, weight rows by token rows), and each compute warpgroup decodes its [64, 64]
 operands of E2M1 codes straight into the bf16 registers wgmma reads: the weights cross HBM and
 shared memory at 4.25 bits each (the release's bytes, no copy) and are never written back in bf16.
-On the H200 this runs at 0.77-0.82x the bf16 kernel, where decoding the layer in XLA first runs at 0.59x
-(benchmarks/RESULTS.md). With a zero operand in place of the decode the same kernel runs at 0.95x:
-the decode's instructions are what is left to cut.
+It runs at 0.84x the bf16 kernel (H100; 0.77-0.82x before the decode was rebalanced), where
+decoding the layer in XLA first runs at 0.59x (benchmarks/RESULTS.md). With a zero operand in place
+of the decode the same kernel runs at 0.93-0.96x: every decode instruction costs tensor-core time,
+about 0.8 of a cycle each (``benchmarks/mxfp4_decode_cost.py``).
 
 Work, tiles and stores as ``mosaic_gpu_grouped_gemm`` (its work table and row stores): one
 persistent CTA per SM, a producer warpgroup issuing TMA copies ``STAGES`` steps of ``STEP_K``
@@ -22,10 +23,12 @@ The decode (``_decoder``, PTX in ``inline_mgpu``): wgmma's 8-bit operand layout 
 consecutive bytes, i.e. 8 consecutive codes, of a row in one 32-bit register; the code's bits are
 moved into a bf16's sign, exponent and mantissa fields (E2M1 is bf16 with a 2-bit exponent:
 ``s e1 e0 m`` -> bits 15, 8..7, 6 give ``value * 2^-126``, the subnormal code 0.5 included) and
-multiplied by the block's scale times 2^(126 - FOLD). Two codes per instruction: five
-integer/bf16x2 instructions per pair. Which register slot of wgmma's operand layout a code lands in
-fixes an order of each 64 columns (``x_column_order``); x's columns are permuted the same way by
-the caller, which leaves the sum over K unchanged and can ride the gather that sorts rows by expert.
+multiplied by the block's scale times 2^(126 - FOLD). Two codes per instruction: 17 integer and
+bf16x2 instructions per 8 codes (``_pair_ptx``), four of them integer multiplies that would
+otherwise be shifts and masks on the logic unit, the busier one. Which register slot of wgmma's
+operand layout a code lands in fixes an order of each 64 columns (``x_column_order``); x's columns
+are permuted the same way by the caller, which leaves the sum over K unchanged and can ride the
+gather that sorts rows by expert.
 """
 
 from __future__ import annotations
@@ -54,7 +57,9 @@ FOLD = 32  # the decoded weights are w * 2^-FOLD, the accumulators are scaled ba
 SCALE_MIN, SCALE_MAX = FOLD - 5, FOLD + 128  # scale bytes decoded exactly; others are clamped
 STEP_K = 2 * DEPTH  # k per pipeline step: four decode+wgmma pairs, so that decodes overlap products
 STEP_BYTES = STEP_K // 2  # a code row's bytes per step
-CODE_TILES = (plgpu.TilingTransform((ALIGN, STEP_BYTES)), plgpu.SwizzleTransform(STEP_BYTES))
+OPERAND_BYTES = DEPTH // 2  # a code row's bytes per wgmma operand (64 columns)
+# codes in 32-byte tiles, so that each operand's bytes are loaded on their own (``_body``'s step)
+CODE_TILES = (plgpu.TilingTransform((ALIGN, OPERAND_BYTES)), plgpu.SwizzleTransform(OPERAND_BYTES))
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector, one value per row of the wgmma layout
 
 
@@ -84,30 +89,34 @@ def scale_multipliers(scale: jax.Array) -> jax.Array:
 def _pair_ptx() -> str:
     """PTX: one 32-bit register of 8 E2M1 codes ($4) and a bf16x2 factor ($5) -> four bf16x2
     registers, pair j = (code j, code j + 4): magnitude bits moved to 6..8 / 22..24, sign bits to
-    15 / 31, times the factor."""
-    lines = ["{", ".reg .b32 m, s, t;"]
-    for j in range(4):
-        mag, sign = 6 - 4 * j, 12 - 4 * j
-        lines.append(f"shl.b32 m, $4, {mag};" if mag >= 0 else f"shr.b32 m, $4, {-mag};")
-        lines.append("and.b32 m, m, 0x01C001C0;")
-        lines.append(f"shl.b32 s, $4, {sign};" if sign else "mov.b32 s, $4;")
-        lines.append("lop3.b32 t, m, s, 0x80008000, 0xF8;")  # m | (s & 0x80008000)
-        lines.append(f"mul.rn.bf16x2 ${j}, t, $5;")
-    lines.append("}")
+    15 / 31, times the factor. Pairs 0 and 1 (codes in bits 4 j .. 4 j + 3 of each half): the pair
+    masked out, then one multiply by 2^a + 2^b places a copy of each code at both shifts (the
+    copies do not overlap, so nothing carries), a mask keeps the magnitude of one and the sign of
+    the other: four instructions. Pairs 2 and 3 need a right shift for the magnitude: five and four
+    (pair 3's signs are in place)."""
+    magnitude, sign, both = "0x01C001C0", "0x80008000", "0x81C081C0"
+    lines = ["{", ".reg .b32 m, t;"]
+    for j, factor in ((0, (1 << 6) + (1 << 12)), (1, (1 << 2) + (1 << 8))):
+        lines += [f"and.b32 t, $4, {0x000F000F << 4 * j:#010x};", f"mul.lo.u32 t, t, {factor:#x};",
+                  f"and.b32 t, t, {both};", f"mul.rn.bf16x2 ${j}, t, $5;"]
+    lines += ["shr.b32 m, $4, 2;", f"and.b32 m, m, {magnitude};", "shl.b32 t, $4, 4;",
+              f"lop3.b32 t, m, t, {sign}, 0xF8;", "mul.rn.bf16x2 $2, t, $5;"]  # m | (t & sign)
+    lines += ["shr.b32 m, $4, 6;", f"and.b32 m, m, {magnitude};",
+              f"lop3.b32 t, m, $4, {sign}, 0xF8;", "mul.rn.bf16x2 $3, t, $5;", "}"]
     return "\n".join(lines)
 
 
 @functools.cache
-def _decoder(half: int):
-    """The decode of k columns [64 half, 64 half + 64) of a step's [64, STEP_BYTES] code bytes."""
+def _decoder():
+    """The decode of one wgmma operand: [64, OPERAND_BYTES] code bytes -> [64, 64] bf16."""
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_8BIT, _ROW, _ROW),
         return_type=plgpu.ShapeDtypeStruct((WG_COLS, DEPTH), _BF16, layout=plgpu.Layout.WGMMA),
     )
     def decode(ctx, codes, factor_lo, factor_hi):
-        """[64, STEP_BYTES] code bytes (the 8-bit wgmma layout: a thread's 4 consecutive bytes, i.e.
-        8 consecutive codes, of rows r and r + 8 per 16 bytes) and each row's factor for this half's
+        """[64, OPERAND_BYTES] code bytes (the 8-bit wgmma layout: a thread's 4 consecutive bytes,
+        i.e. 8 consecutive codes, of rows r and r + 8 per 16 bytes) and each row's factor for
         columns 0..31 and 32..63 -> [64, 64] bf16 in wgmma's operand layout, columns in
         ``x_column_order``."""
         del ctx
@@ -125,7 +134,7 @@ def _decoder(half: int):
             for row in range(2):  # rows r and r + 8 of the thread's 16-row band
                 f16 = arith.extui(i32, utils.bitcast(factor.registers[0, 0, row, 0, 0], i16))
                 f2 = arith.ori(f16, arith.shli(f16, utils.c(16, i32)))  # the factor in both halves
-                reg = codes.registers[0, 2 * half + block, 0, 0, row, 0, 0, 0, 0]
+                reg = codes.registers[0, block, 0, 0, row, 0, 0, 0, 0]
                 regs = llvm.inline_asm(results, [utils.bitcast(reg, i32), f2], _pair_ptx(),
                                        "=r,=r,=r,=r,r,r")
                 for j in range(4):
@@ -189,14 +198,17 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
 
             def step(_, x_s, c1_s, c3_s, f1_s, f3_s, accs):
                 mine = pl.ds(pl.multiple_of(w * WG_COLS, WG_COLS), WG_COLS)
-                codes = [plgpu.load(c_s.at[mine], layout=plgpu.Layout.WGMMA_8BIT)
-                         for c_s in (c1_s, c3_s)]
                 for half in range(STEP_K // DEPTH):  # each decode runs while the last product does
                     tokens = x_s.at[:, pl.ds(half * DEPTH, DEPTH)].transpose((1, 0))  # [K, ROWS]
-                    for acc, code, f_s in zip(accs, codes, (f1_s, f3_s)):
+                    for acc, c_s, f_s in zip(accs, (c1_s, c3_s), (f1_s, f3_s)):
+                        # loaded here, after the last product was issued: ptxas keeps shared-memory
+                        # loads behind it, and with them this decode (codes loaded once a step let
+                        # it hoist every decode of the step ahead of the first product)
+                        code = plgpu.load(c_s.at[mine, pl.ds(half * OPERAND_BYTES, OPERAND_BYTES)],
+                                          layout=plgpu.Layout.WGMMA_8BIT)
                         factors = (plgpu.load(f_s.at[2 * half + b, mine], layout=_ROW, optimized=False)
                                    for b in range(DEPTH // BLOCK))
-                        plgpu.wgmma(acc, _decoder(half)(code, *factors), tokens)
+                        plgpu.wgmma(acc, _decoder()(code, *factors), tokens)
                 # all done before the step ends: a wgmma still reading registers across the loop's
                 # back edge came out wrong (NaN) on the H200, and the slot is released after the step
                 plgpu.wgmma_wait(0)

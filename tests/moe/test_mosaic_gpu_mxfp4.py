@@ -45,6 +45,8 @@ def _run_pair_ptx(codes: np.ndarray, factor_pair: np.ndarray) -> list[np.ndarray
             regs[dst] = (a << np.uint32(int(src[1]))).astype(np.uint32)
         elif op == "shr.b32":
             regs[dst] = (a >> np.uint32(int(src[1]))).astype(np.uint32)
+        elif op == "mul.lo.u32":
+            regs[dst] = (a.astype(np.uint64) * int(src[1], 0) & 0xFFFFFFFF).astype(np.uint32)
         elif op == "and.b32":
             regs[dst] = a & value(src[1])
         elif op == "mov.b32":
