@@ -9,8 +9,9 @@ through DLPack); medians over the rounds.
     PYTHONPATH=. python3 benchmarks/moe_interleaved.py [--rounds 25] [--inner 5]
 
 Cases: 28 experts x 16384 rows (uniform and uneven groups) gate+up 3584 -> 2 x 3072 with SiTU and down
-3072 -> 3584; 112 experts gate+up and down, and gate+up at 8192 and 4096 rows; a decode step's 256 rows over 28 experts (weight bytes set the
-time there: TB/s of weights read once are printed beside TFLOP/s). Each JAX contender is first checked
+3072 -> 3584; 112 experts gate+up and down (uniform and uneven), each also at 8192 and 4096 rows; a
+decode step's 256 rows over 28 experts (weight bytes set the time there: TB/s of weights read once are
+printed beside TFLOP/s). Each JAX contender is first checked
 against the fp32 `lax.ragged_dot` reference (relative Frobenius error < 1e-2; bf16 outputs give ~1.7e-3);
 torch's output against the same reference. TFLOP/s count 2*M*K*N (gate+up: N = 2F). torch's gate+up is
 timed without and with a separate SiTU pass (ours fuses it). Results: $OUT/moe_interleaved.json and a
@@ -40,6 +41,9 @@ CASES = [  # label, experts, kind, distribution, rows
     ("gate_up_E112_uneven", 112, "gate_up", "uneven", M),
     ("gate_up_E112_8k", 112, "gate_up", "uniform", M // 2),  # 73 rows per expert
     ("gate_up_E112_4k", 112, "gate_up", "uniform", M // 4),  # 37: just above decode-sized
+    ("down_E112_uneven", 112, "down", "uneven", M),
+    ("down_E112_8k", 112, "down", "uniform", M // 2),
+    ("down_E112_4k", 112, "down", "uniform", M // 4),
     ("gate_up_E28_decode", 28, "gate_up", "uniform", DECODE_ROWS),
     ("down_E28_decode", 28, "down", "uniform", DECODE_ROWS),
 ]

@@ -5,9 +5,9 @@ registers. So the packed weights are made the left operand ("swap AB": the tile 
 (x W^T)^T = W x^T, weight rows by token rows), and each compute warpgroup decodes its [64, 64]
 operands of E2M1 codes straight into the bf16 registers wgmma reads: the weights cross HBM and
 shared memory at 4.25 bits each (the release's bytes, no copy) and are never written back in bf16.
-It runs at 0.84x the bf16 kernel (H100; 0.77-0.82x before the decode was rebalanced), where
+It runs at 0.83-0.84x the bf16 kernel (0.77-0.82x before the decode was rebalanced), where
 decoding the layer in XLA first runs at 0.59x (benchmarks/RESULTS.md). With a zero operand in place
-of the decode the same kernel runs at 0.93-0.96x: every decode instruction costs tensor-core time,
+of the decode the same kernel runs at 0.91-0.96x: every decode instruction costs tensor-core time,
 about 0.8 of a cycle each (``benchmarks/mxfp4_decode_cost.py``).
 
 Work, tiles and stores as ``mosaic_gpu_grouped_gemm`` (its work table and row stores): one

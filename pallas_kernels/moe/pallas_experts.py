@@ -1,9 +1,10 @@
 """Routed experts on the Pallas grouped GEMMs: sort pairs by expert, fused gate+up+SiTU, down, combine.
 
 Same contract as `reference.experts_ragged_dot` (fp32 [N, out]); only the two grouped GEMMs differ. On a
-GPU backend the kernels are compiled through Pallas-Triton, except the forward's gate+up (past decode
-sizes: `pallas_vjp.mosaic_gpu_gate_up_tail`) and down for large groups (`pallas_vjp.on_mosaic_gpu`), which
-are Mosaic GPU; elsewhere they run in interpret mode (slow, for tests only).
+GPU backend the kernels are compiled through Pallas-Triton, except past decode sizes the forward's gate+up
+(`pallas_vjp.mosaic_gpu_gate_up_tail`), its down (`pallas_vjp.mosaic_gpu_down_tail`) and, for large groups,
+the backward's products (`pallas_vjp.on_mosaic_gpu`), which are Mosaic GPU; elsewhere they run in interpret
+mode (slow, for tests only).
 """
 
 from __future__ import annotations

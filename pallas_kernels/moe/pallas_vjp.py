@@ -18,7 +18,7 @@ whole forward + backward at 28 experts x 16384 rows):
                                                        dtype from its fp32 accumulator
 
 These five products run the Mosaic GPU kernel (``mosaic_gpu_grouped_gemm.grouped_matmul_mgpu``) where the
-forward's do (on the GPU, bf16, large groups: ``on_mosaic_gpu``), the Pallas-Triton ``grouped_matmul``
+forward's down does without a tail (on the GPU, bf16, large groups: ``on_mosaic_gpu``), the Pallas-Triton ``grouped_matmul``
 elsewhere. The three weight gradients contract over each expert's rows (a "transposed" grouped GEMM whose
 output is one [P, Q] block per expert): `grouped_matmul_tn`, one program per (expert, output tile) looping
 over the expert's row tiles; it equals `lax.ragged_dot_general` with a ragged contracting dimension
@@ -46,8 +46,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe import mosaic_gpu_grouped_gemm, mosaic_gpu_mxfp4
 from pallas_kernels.moe.pallas_grouped_gemm import (
-    DOWN_DEFAULT, GATE_UP_DEFAULT, GATE_UP_MXFP4, GATE_UP_SMALL_GROUPS, TileConfig, for_weights, grouped_gate_up_situ, grouped_matmul,
-    grouped_matmul_tn,
+    DOWN_DEFAULT, DOWN_SMALL_GROUPS, GATE_UP_DEFAULT, GATE_UP_MXFP4, GATE_UP_SMALL_GROUPS, TileConfig,
+    for_weights, grouped_gate_up_situ, grouped_matmul, grouped_matmul_tn,
 )
 from pallas_kernels.moe.reference import MXFP4Experts, decode_experts
 
@@ -95,14 +95,25 @@ def _fit_tn(cfg: TileConfig, p: int, q: int) -> TileConfig:
 
 
 def on_mosaic_gpu(rows, w, cfg: TileConfig, interpret: bool, weights_kn: bool = False) -> bool:
-    """Whether a plain grouped GEMM (down, the backward's products) runs the Mosaic GPU kernel
+    """Whether a plain grouped GEMM of the backward runs the Mosaic GPU kernel
     (``grouped_matmul_mgpu``) instead of the Triton one: on the GPU, bf16 rows and weights, where
-    the Triton kernel would take its large-group tiles (DOWN_DEFAULT; gate+up:
-    ``mosaic_gpu_gate_up_tail``). At 112 experts the Triton down kernel's merged tails stay ahead
-    (benchmarks/RESULTS.md). The interpreter (CPU) keeps the Triton kernels, which the model's CPU
-    tests run; the Mosaic GPU kernels have their own interpreter tests."""
+    the Triton kernel would take its large-group tiles (DOWN_DEFAULT; the forward's down:
+    ``mosaic_gpu_down_tail``). The interpreter (CPU) keeps the Triton kernels, which the model's
+    CPU tests run; the Mosaic GPU kernels have their own interpreter tests."""
     return (not interpret and cfg == DOWN_DEFAULT
             and mosaic_gpu_grouped_gemm.takes(rows, w, mosaic_gpu_grouped_gemm.PLAIN_COLS, weights_kn))
+
+
+def mosaic_gpu_down_tail(h, w2, cfg: TileConfig, interpret: bool) -> int | None:
+    """The forward down projection's ``tail_rows`` in the Mosaic GPU kernel, or None where the
+    Triton kernel runs: plain 128-row tiles for large groups (DOWN_DEFAULT), 32-row tails merged
+    into an expert's last tile for small ones (DOWN_SMALL_GROUPS: 430.6 TFLOP/s at 112 experts x
+    16384 rows on the H200 against the Triton kernel's merged tails' 381.2 in the same rounds; on
+    an H100, whose weight bandwidth bounds both, 336-340 against 345-347; benchmarks/RESULTS.md).
+    Decode-sized batches and packed weights keep the Triton kernel."""
+    if interpret or not mosaic_gpu_grouped_gemm.takes(h, w2, mosaic_gpu_grouped_gemm.PLAIN_COLS):
+        return None
+    return {DOWN_DEFAULT: 0, DOWN_SMALL_GROUPS: mosaic_gpu_grouped_gemm.TAIL_ROWS}.get(cfg)
 
 
 def mosaic_gpu_gate_up_tail(rows, w1, cfg: TileConfig, interpret: bool) -> int | None:
@@ -130,8 +141,8 @@ def _forward(rows, w1, w2, w3, group_sizes, beta, linear_beta, interpret, gate_u
     else:
         h = grouped_gate_up_situ(rows, w1, w3, group_sizes, beta=beta, linear_beta=linear_beta,
                                  cfg=_fit(gate_up_cfg, d_in, hidden, w1), interpret=interpret)
-    if on_mosaic_gpu(h, w2, down_cfg, interpret):
-        return mosaic_gpu_grouped_gemm.grouped_matmul_mgpu(h, w2, group_sizes)
+    if (tail_rows := mosaic_gpu_down_tail(h, w2, down_cfg, interpret)) is not None:
+        return mosaic_gpu_grouped_gemm.grouped_matmul_mgpu(h, w2, group_sizes, tail_rows=tail_rows)
     return grouped_matmul(h, w2, group_sizes, cfg=_fit(down_cfg, hidden, d_out, w2), interpret=interpret)
 
 

@@ -229,12 +229,11 @@ def test_rejects_what_it_cannot_take() -> None:
         grouped_matmul_mgpu(x, w1, sizes, weights_kn=True, interpret=True)  # K 256 != x's 128
 
 
-@pytest.mark.parametrize("experts, tail", [(28, False), (112, True)])
-def test_expert_mlp_forward_takes_them_past_decode_sizes(experts: int, tail: bool) -> None:
+@pytest.mark.parametrize("experts", [28, 112])
+def test_expert_mlp_forward_takes_them_past_decode_sizes(experts: int) -> None:
     """The routed experts' forward on the GPU (lowered for an abstract H200, K3 widths, 16384
-    rows): gate+up in the Mosaic GPU kernel, with merged tails at 112 experts (146 rows each);
-    down in it for large groups (28 experts, 585 rows each), the Triton merged-tail kernel at 112.
-    A decode-sized batch (256 rows) keeps both Triton kernels."""
+    rows): gate+up and down in the Mosaic GPU kernels, with merged tails at 112 experts (146 rows
+    each). A decode-sized batch (256 rows) keeps both Triton kernels."""
     from pallas_kernels.moe.pallas_experts import grouped_expert_mlp
 
     S = jax.ShapeDtypeStruct
@@ -247,9 +246,36 @@ def test_expert_mlp_forward_takes_them_past_decode_sizes(experts: int, tail: boo
             rows, gs, w1, w2, w3, beta=4.0, linear_beta=25.0, interpret=False), *args)
 
     text = lowered(16384)
-    assert "k3_moe_gate_up_situ_mgpu" in text
-    assert ("k3_moe_grouped_matmul_mgpu" in text) == (not tail)
-    assert text.count("__gpu$xla.gpu.triton") == (1 if tail else 0)
-    assert text.count("mosaic_gpu_v2(") == (1 if tail else 2)
+    assert "k3_moe_gate_up_situ_mgpu" in text and "k3_moe_grouped_matmul_mgpu" in text
+    assert text.count("__gpu$xla.gpu.triton") == 0
+    assert text.count("mosaic_gpu_v2(") == 2
     text = lowered(256)
     assert "mosaic_gpu_v2(" not in text and text.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("rows, experts, tail", [(16384, 28, 0), (16384, 112, TAIL_ROWS), (256, 28, None)])
+def test_dispatch_picks_the_tail_per_group_size(rows: int, experts: int, tail: int | None) -> None:
+    """Both forward products take the merged tail at 112 experts (146 rows each), plain tiles at 28
+    (585), the Triton kernels at a decode-sized batch; packed weights and the interpreter never
+    take the Mosaic GPU products."""
+    from pallas_kernels.moe import pallas_grouped_gemm as pg
+    from pallas_kernels.moe.pallas_vjp import mosaic_gpu_down_tail, mosaic_gpu_gate_up_tail
+    from pallas_kernels.moe.reference import MXFP4Experts
+
+    S = jax.ShapeDtypeStruct
+    d, f = 3584, 3072
+    gate_up_cfg, down_cfg = pg.gate_up_config(rows, experts), pg.down_config(rows, experts)
+    picked = {}
+
+    def pick(x, h, w1, w2):
+        picked["gate_up"] = mosaic_gpu_gate_up_tail(x, w1, gate_up_cfg, interpret=False)
+        picked["down"] = mosaic_gpu_down_tail(h, w2, down_cfg, interpret=False)
+        picked["interpreted"] = mosaic_gpu_down_tail(h, w2, down_cfg, interpret=True)
+        return x
+
+    jax.eval_shape(pick, S((rows, d), _BF16), S((rows, f), _BF16), S((experts, f, d), _BF16),
+                   S((experts, d, f), _BF16))
+    assert picked == {"gate_up": tail, "down": tail, "interpreted": None}
+    packed = MXFP4Experts(jnp.zeros((2, 256, 64), jnp.uint8), jnp.zeros((2, 256, 4), jnp.uint8))
+    small = pg.down_config(rows, experts, mxfp4=True)
+    assert mosaic_gpu_down_tail(jnp.zeros((8, 128), _BF16), packed, small, interpret=False) is None
