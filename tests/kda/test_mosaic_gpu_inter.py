@@ -2,9 +2,12 @@
 Triton inter kernel forming W and U in its loop, and lowered for an abstract H200.
 
 Tolerance: both kernels round the same operands to bf16 (S, beta v - bk S, v_new) and accumulate
-in fp32, so o agrees bit for bit unless a sum's order differs (it did not on the H200 either) and
-the final state to fp32 summation order (~1e-8 relative). 1e-5 leaves room for that while a wrong
-tile, slot, transpose or decay is off by O(1).
+in fp32, so they agree up to fp32 summation order. Where that order differs, a value can land on
+the other side of a bf16 rounding boundary and the element moves by one bf16 step (2^-8 to 2^-7
+relative). The order is the host's: XLA:CPU blocks the interpreter's dots by core count and vector
+width, and a two-core host flipped a few elements of o (3-4e-5 relative L2; one flip in every
+element would be ~4e-3). 1e-3 allows flips in a few percent of the elements while a wrong tile,
+slot, transpose or decay is off by O(1).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from tests.h200_lowering import lowered_for_h200
 from tests.kda.kda_cases import as_f32, kda_case, rel
 
 _BF16, _F32 = jnp.bfloat16, jnp.float32
-TOL = 1e-5
+TOL = 1e-3
 
 
 def _bf16_case(seed: int, T: int, H: int, K: int, V: int):
@@ -124,7 +127,7 @@ def test_rejects_what_it_cannot_take() -> None:
 def test_32_value_columns_per_warpgroup_match_64() -> None:
     """``value_cols=32`` (twice the CTAs per head, [*, 32] operands in a 64-byte swizzle) against
     the default 64 columns: the same products per column, so the same outputs to fp32 summation
-    order (``TOL``), over two chunks."""
+    order and its bf16 flips (``TOL``), over two chunks."""
     q, k, v, g, beta, s0 = _bf16_case(4, 2 * C, 2, 64, 128)
     x, bk, _, _, qg, kd, aqk, gl = intra_stage(
         (q, k, v, g, beta), scale=64**-0.5, fused=False, lower_bound=-5.0, interpret=True,
