@@ -9,7 +9,7 @@ kernel has carried it in registers, and ``A_j S_j + B_j`` is summed in a differe
 chunks' bf16-operand products, so the two agree to bf16 rounding (2.7e-3 seen; bound 1e-2), while
 starting the segments from zero is off by more than 5e-2 (asserted, so the bound can fail); with
 two segments the first pass of segment 0 is the unsegmented loop itself, so o and the state agree
-to fp32 summation order (1e-5, as ``test_mosaic_gpu_inter``).
+to fp32 summation order of the same kernel's products (1e-5).
 """
 
 from __future__ import annotations
