@@ -54,28 +54,27 @@ TILES = (plgpu.TilingTransform((ALIGN, DEPTH)), plgpu.SwizzleTransform(128))  # 
 
 
 def _work_table(group_sizes: jax.Array, num_rows: int, num_col_blocks: int,
-                tail_rows: int = 0, tile_rows: int = ROWS) -> jax.Array:
+                tail_rows: int = 0) -> jax.Array:
     """int32 [P, 5], one row per (row tile, column block): (load start, first row, end row,
     expert, column block). Expert e's rows [s, t) take ROWS-row tiles loading from
     ``a = 8 floor(s / 8) + ROWS j`` and storing ``[max(s, a), min(t, a + ROWS))``; with
     ``tail_rows``, a remainder of at most that many rows past the last full tile joins it (one tile
     of up to ROWS + tail_rows rows: 146 rows run as one tile, not two). Rows past sum(group_sizes)
-    form expert E (stored as zeros). ``tile_rows`` replaces ROWS (the MXFP4 kernel's 256-row
-    tiles). Sized for the worst case (each expert adds at most one tile and 7 rows); the rest are
-    idle (first row == end row). Groups and program order as
+    form expert E (stored as zeros). Sized for the worst case (each expert adds at most one tile
+    and 7 rows); the rest are idle (first row == end row). Groups and program order as
     ``pallas_grouped_gemm._schedule``'s (``group_bounds``, ``tile_programs``)."""
     n_groups = group_sizes.shape[0]
     starts, sizes = group_bounds(group_sizes, num_rows)
     ends, first = starts + sizes, starts // ALIGN * ALIGN
-    tiles = (ends - first + tile_rows - 1) // tile_rows
-    merged = (tiles >= 2) & (ends - first - (tiles - 1) * tile_rows <= tail_rows)
+    tiles = (ends - first + ROWS - 1) // ROWS
+    merged = (tiles >= 2) & (ends - first - (tiles - 1) * ROWS <= tail_rows)
     tiles = jnp.where(sizes > 0, tiles - merged, 0)
-    n_programs = (pl.cdiv(num_rows + ALIGN * (n_groups + 1), tile_rows) + n_groups + 1) * num_col_blocks
+    n_programs = (pl.cdiv(num_rows + ALIGN * (n_groups + 1), ROWS) + n_groups + 1) * num_col_blocks
     group, local, block, valid = tile_programs(tiles, num_col_blocks, n_programs)
-    load = first[group] + local * tile_rows
+    load = first[group] + local * ROWS
     last = local == tiles[group] - 1  # the last tile stores the rest (its tail, if merged)
     row_start = jnp.where(valid, jnp.maximum(starts[group], load), 0)
-    row_end = jnp.where(valid, jnp.where(last, ends[group], load + tile_rows), 0)
+    row_end = jnp.where(valid, jnp.where(last, ends[group], load + ROWS), 0)
     return jnp.stack([jnp.where(valid, load, 0), row_start, row_end, group,
                       jnp.where(valid, block, 0)], axis=1).astype(jnp.int32)
 

@@ -5,21 +5,19 @@ registers. So the packed weights are made the left operand ("swap AB": the tile 
 (x W^T)^T = W x^T, weight rows by token rows), and each compute warpgroup decodes its [64, 64]
 operands of E2M1 codes straight into the bf16 registers wgmma reads: the weights cross HBM and
 shared memory at 4.25 bits each (the release's bytes, no copy) and are never written back in bf16.
-This version feeds each decoded operand to 256 token rows (wgmma's largest N) to halve the decode
-per product. It is exact (bit-identical to the 128-row version) but ran at 0.75-0.82x the bf16
-kernel on an H100 against 0.81-0.84x for the 128-row version in the same jobs: a 256-row x tile
-per 64-column k step fills the shared memory at 4 stages, so the steps are half as large and their
-fixed costs (pipeline barriers, addressing) twice as many (benchmarks/RESULTS.md).
+It runs at 0.83-0.84x the bf16 kernel (0.77-0.82x before the decode was rebalanced), where
+decoding the layer in XLA first runs at 0.59x (benchmarks/RESULTS.md). With a zero operand in place
+of the decode the same kernel runs at 0.91-0.96x: every decode instruction costs tensor-core time,
+about 0.8 of a cycle each (``benchmarks/mxfp4_decode_cost.py``).
 
-Work as ``mosaic_gpu_grouped_gemm``'s (work table with 256-row tiles, row stores): one persistent
-CTA per SM, a producer warpgroup issuing TMA copies ``STAGES`` steps ahead, two compute
-warpgroups. A tile is 256 token rows (128 for an expert's last tile of at most that many rows) by
-64 gate and 64 up columns; warpgroup w owns weight rows [32 w, 32 w + 32) of both, stacked in one
-[64, 256] fp32 accumulator: in wgmma's layout a thread's row slots r and r + 8 hold the gate and
-the up of one weight row, so SiTU needs no exchange (``_splitter``). Each step decodes one
-[64, 64] operand and multiplies it; the product finishes within the step (left running across the
-loop's back edge, the register operands came out as NaN on the H200). The epilogue scales the
-accumulator back (``FOLD``), applies SiTU and stores the transposed [256, 32] result.
+Work, tiles and stores as ``mosaic_gpu_grouped_gemm`` (its work table and row stores): one
+persistent CTA per SM, a producer warpgroup issuing TMA copies ``STAGES`` steps of ``STEP_K``
+ahead, two compute warpgroups. A tile is 128 token rows by 128 gate and 128 up columns; warpgroup w
+owns columns [64 w, 64 w + 64) of both, i.e. two [64, 128] fp32 accumulators (weight rows x token
+rows). A step decodes and multiplies four [64, 64] operands in turn, so each decode runs while the
+previous product does; all products finish within the step (left running across the loop's back
+edge, as the bf16 kernel does, the register operands came out as NaN on the H200). The epilogue
+scales the accumulators back (``FOLD``), applies SiTU and stores the transposed [128, 64] result.
 
 The decode (``_decoder``, PTX in ``inline_mgpu``): wgmma's 8-bit operand layout gives each thread 4
 consecutive bytes, i.e. 8 consecutive codes, of a row in one 32-bit register; the code's bits are
@@ -45,23 +43,24 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.mosaic_gpu_grouped_gemm import (
-    ALIGN, DEPTH, MEMORY_REGISTERS, TILES, _program, _run_program, _store_rows, _work_table,
-    sm_count,
+    ALIGN, DEPTH, MEMORY_REGISTERS, ROWS, TILES, _program, _run_program, _store_rows,
+    _store_transposed, _work_table, sm_count,
 )
 from pallas_kernels.moe.pallas_grouped_gemm import situ_f32
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 BLOCK = 32  # inputs per E8M0 scale byte
-TOKENS = 256  # a tile's token rows: wgmma's largest N, so each decoded operand feeds 256 rows
-SHORT_TOKENS = 128  # an expert's last tile when at most this many of its rows remain
-COLS = 64  # a tile's weight rows, of the gate and of the up projection each
-WG_COLS = COLS // 2  # each compute warpgroup's: its wgmma's 64 rows are 32 gate and 32 up rows
-STAGES = 5  # k steps in flight: 5 x 37 KB of tiles + 33 KB of output staging
-SLACK = ALIGN  # staging rows ahead of a tile's first stored row (``stage_and_store``)
+COLS = 128  # a tile's weight rows, of the gate and of the up projection each
+WG_COLS = COLS // 2  # each compute warpgroup's weight rows (wgmma's 64-row M)
+STAGES = 3  # k steps in flight: 3 x 50 KB of tiles + 32 KB of output staging
 FOLD = 32  # the decoded weights are w * 2^-FOLD, the accumulators are scaled back by 2^FOLD
 SCALE_MIN, SCALE_MAX = FOLD - 5, FOLD + 128  # scale bytes decoded exactly; others are clamped
-STEP_K = DEPTH  # k per pipeline step: one decode and one [64, 64] x [64, TOKENS] product
+STEP_K = 2 * DEPTH  # k per pipeline step: four decode+wgmma pairs, so that decodes overlap products
 STEP_BYTES = STEP_K // 2  # a code row's bytes per step
+OPERAND_BYTES = DEPTH // 2  # a code row's bytes per wgmma operand (64 columns)
+# codes in 32-byte tiles, so that each operand's bytes are loaded on their own (``_body``'s step)
+CODE_TILES = (plgpu.TilingTransform((ALIGN, OPERAND_BYTES)), plgpu.SwizzleTransform(OPERAND_BYTES))
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector, one value per row of the wgmma layout
 
 
 def x_column_order(k: int) -> np.ndarray:
@@ -107,34 +106,19 @@ def _pair_ptx() -> str:
     return "\n".join(lines)
 
 
-def _weight_row(utils, arith, i32):
-    """This thread's weight row of the tile, [0, COLS): the row its gate and up codes come from and
-    its output column. Warpgroup w (threads 128 w ..) owns rows [32 w, 32 w + 32); in wgmma's
-    layout lane l of warp b holds rows 16 b + l // 4 and 16 b + 8 + l // 4 of the [64, N] operand
-    and accumulator, which carry weight row 32 w + 8 b + l // 4 of the gate and of the up."""
-    c = lambda v: utils.c(v, i32)  # noqa: E731
-    tid = utils.thread_idx()
-    lane, warp = arith.remui(tid, c(32)), arith.remui(arith.divui(tid, c(32)), c(4))
-    row = arith.addi(arith.muli(utils.warpgroup_idx(sync=True), c(WG_COLS)),
-                     arith.addi(arith.muli(warp, c(8)), arith.divui(lane, c(4))))
-    return row, arith.remui(lane, c(4))
-
-
 @functools.cache
 def _decoder():
-    """One k step's left operand: this warpgroup's 32 gate and 32 up weight rows, decoded from the
-    step's code and factor tiles to [64, 64] bf16."""
+    """The decode of one wgmma operand: [64, OPERAND_BYTES] code bytes -> [64, 64] bf16."""
 
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(),) * 4,
-        return_type=plgpu.ShapeDtypeStruct((2 * WG_COLS, DEPTH), _BF16, layout=plgpu.Layout.WGMMA),
+        arg_types=(plgpu.Layout.WGMMA_8BIT, _ROW, _ROW),
+        return_type=plgpu.ShapeDtypeStruct((WG_COLS, DEPTH), _BF16, layout=plgpu.Layout.WGMMA),
     )
-    def decode(ctx, codes_gate, codes_up, factors_gate, factors_up):
-        """Code tiles [COLS, STEP_BYTES] uint8 and factor tiles [STEP_K / BLOCK, COLS] bf16 (row
-        major, as TMA left them) -> wgmma's operand layout: row slot r of the thread's band holds
-        its gate row, slot r + 8 its up row (``_weight_row``), columns in ``x_column_order``.
-        Loaded here from addresses of the thread's own rows: the 8-bit wgmma load would hand it
-        rows 16 b + l // 4 and 16 b + 8 + l // 4 of one projection."""
+    def decode(ctx, codes, factor_lo, factor_hi):
+        """[64, OPERAND_BYTES] code bytes (the 8-bit wgmma layout: a thread's 4 consecutive bytes,
+        i.e. 8 consecutive codes, of rows r and r + 8 per 16 bytes) and each row's factor for
+        columns 0..31 and 32..63 -> [64, 64] bf16 in wgmma's operand layout, columns in
+        ``x_column_order``."""
         del ctx
         from jax.experimental.mosaic import gpu as mgpu
         from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -143,97 +127,38 @@ def _decoder():
         from jaxlib.mlir.dialects import arith, llvm
 
         i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        c = lambda v: utils.c(v, i32)  # noqa: E731
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
-        row, t = _weight_row(utils, arith, i32)
-        out = np.empty(fa.WGMMA_LAYOUT.registers_shape((2 * WG_COLS, DEPTH)), dtype=object)
+        out = np.empty(fa.WGMMA_LAYOUT.registers_shape((WG_COLS, DEPTH)), dtype=object)
         results = llvm.StructType.get_literal([i32] * 4)
-        for slot, (codes, factors) in enumerate(((codes_gate, factors_gate), (codes_up, factors_up))):
-            code_base, factor_base = utils.memref_ptr(codes), utils.memref_ptr(factors)
-            word0 = arith.addi(arith.muli(row, c(STEP_BYTES // 4)), t)  # in 32-bit words
-            for block in range(DEPTH // BLOCK):  # 32 columns each: 16 bytes of the row
-                word = arith.addi(word0, c(block * BLOCK // 8))
-                codes_word = llvm.load(i32, utils.getelementptr(code_base, [word], i32))
-                factor_at = arith.addi(row, c(block * COLS))
-                f16 = arith.extui(i32, llvm.load(i16, utils.getelementptr(factor_base, [factor_at], i16)))
-                f2 = arith.ori(f16, arith.shli(f16, c(16)))  # the factor in both halves
-                regs = llvm.inline_asm(results, [codes_word, f2], _pair_ptx(), "=r,=r,=r,=r,r,r")
+        for block, factor in enumerate((factor_lo, factor_hi)):  # 32 columns each
+            for row in range(2):  # rows r and r + 8 of the thread's 16-row band
+                f16 = arith.extui(i32, utils.bitcast(factor.registers[0, 0, row, 0, 0], i16))
+                f2 = arith.ori(f16, arith.shli(f16, utils.c(16, i32)))  # the factor in both halves
+                reg = codes.registers[0, block, 0, 0, row, 0, 0, 0, 0]
+                regs = llvm.inline_asm(results, [utils.bitcast(reg, i32), f2], _pair_ptx(),
+                                       "=r,=r,=r,=r,r,r")
                 for j in range(4):
-                    out[0, 4 * block + j, 0, 0, slot, 0, 0, 0, 0] = utils.bitcast(
+                    out[0, 4 * block + j, 0, 0, row, 0, 0, 0, 0] = utils.bitcast(
                         llvm.extractvalue(i32, regs, [j]), pair)
         return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
     return decode
 
 
-@functools.cache
-def _splitter(tokens: int):
-    """[64, tokens] fp32 accumulator (gate rows in slot r, up rows in slot r + 8) -> (gate, up),
-    each [64, tokens / 2] in wgmma's layout: the register of column chunk c goes to chunk
-    c mod (tokens / 16), slot c // (tokens / 16). Elementwise math on the pair (SiTU) is then
-    plain array code; ``_store_transposed_pairs`` puts the columns back."""
-    shape = (2 * WG_COLS, tokens // 2)
-    half = plgpu.ShapeDtypeStruct(shape, _F32, layout=plgpu.Layout.WGMMA)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(half, half))
-    def split(ctx, acc):
-        del ctx
-        from jax.experimental.mosaic import gpu as mgpu
-        from jax.experimental.mosaic.gpu import fragmented_array as fa
-
-        chunks = tokens // 16
-        out = [np.empty(fa.WGMMA_LAYOUT.registers_shape(shape), dtype=object) for _ in range(2)]
-        for chunk in range(tokens // 8):
-            for slot in range(2):
-                out[slot][0, chunk % chunks, 0, 0, chunk // chunks, 0, 0, 0, 0] = (
-                    acc.registers[0, chunk, 0, 0, slot, 0, 0, 0, 0])
-        return tuple(mgpu.FragmentedArray(_registers=o, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
-                     for o in out)
-
-    return split
-
-
-@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA))
-def _store_transposed_pairs(ctx, staging, y):
-    """staging[token, col] for a [64, tokens / 2] result of ``_splitter``'s layout into this
-    warpgroup's [TOKENS, WG_COLS] bf16 buffer: column chunk c, slot s, element e of a thread is
-    token 8 (c + s tokens / 16) + 2 (l mod 4) + e of its weight row (``_weight_row``, mod WG_COLS).
-    One 2-byte store per element, once per tile."""
-    del ctx
-    from jax.experimental.mosaic.gpu import utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, vector
-
-    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-    c = lambda v: utils.c(v, i32)  # noqa: E731
-    base = utils.memref_ptr(staging)
-    row, t = _weight_row(utils, arith, i32)
-    col = arith.remui(row, c(WG_COLS))
-    chunks = y.shape[1] // 8
-    for chunk in range(chunks):
-        for slot in range(2):
-            values = y.registers[0, chunk, 0, 0, slot, 0, 0, 0, 0]
-            for e in range(2):
-                token = arith.addi(arith.muli(t, c(2)), c(8 * (chunk + slot * chunks) + e))
-                flat = arith.addi(arith.muli(token, c(WG_COLS)), col)
-                value = utils.bitcast(vector.extract(values, [], [e]), i16)
-                llvm.store(value, utils.getelementptr(base, [flat], i16))
-
-
 def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs: int,
           n_groups: int, stages: int, finish):
-    """One persistent CTA: the table's programs, each [TOKENS (or SHORT_TOKENS), COLS] of
-    SiTU(x W1^T, x W3^T) from the codes and factors of weight rows [COLS block, all of K]."""
+    """One persistent CTA: the table's programs, each [ROWS, COLS] of SiTU(x W1^T, x W3^T) from
+    the codes and factors of weight rows [COLS block, all of K]."""
     k_steps = x_ref.shape[1] // STEP_K
 
     def pipeline(step, context):
         spec = lambda shape, index, tiles=(): plgpu.BlockSpec(  # noqa: E731
             shape, index, transforms=tiles, delay_release=1)
-        code_spec = spec((COLS, STEP_BYTES), lambda k: (0, k))  # row major: ``_decoder`` addresses it
+        code_spec = spec((COLS, STEP_BYTES), lambda k: (0, k), CODE_TILES)
         factor_spec = spec((STEP_K // BLOCK, COLS), lambda k: (k, 0))
         return plgpu.emit_pipeline_warp_specialized(
             step, grid=(k_steps,), memory_registers=MEMORY_REGISTERS,
-            in_specs=[spec((TOKENS, STEP_K), lambda k: (0, k), TILES), code_spec, code_spec,
+            in_specs=[spec((ROWS, STEP_K), lambda k: (0, k), TILES), code_spec, code_spec,
                       factor_spec, factor_spec],
             max_concurrent_steps=stages, wg_axis="wg", num_compute_wgs=2, compute_context=context)
 
@@ -243,7 +168,7 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
                 f3_ref.at[group, :, cols])
 
     ignore = lambda *_, **__: None  # noqa: E731  (the allocations do not depend on the bodies)
-    allocations = pipeline(ignore, ignore).get_allocations(x_ref.at[pl.ds(0, TOKENS)], *blocks(0, 0))
+    allocations = pipeline(ignore, ignore).get_allocations(x_ref.at[pl.ds(0, ROWS)], *blocks(0, 0))
 
     def scope(buffers, staging):
         w = lax.axis_index("wg")
@@ -256,56 +181,50 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
             real = group < n_groups  # the virtual expert past sum(group_sizes) stores zeros
             col0 = pl.multiple_of(block * COLS + w * WG_COLS, WG_COLS)
 
-            def stage_and_store(y):
-                """A warpgroup's [64, tokens / 2] result (``_splitter``'s layout) to HBM. Staged so
-                that the expert's first row lands on row SLACK: a TMA copy's shared-memory start
-                must be 128-byte aligned, two of these 64-byte rows, and ``_store_rows``' copies
-                then start on even rows."""
+            def stage_and_store(h_t):
+                """A warpgroup's [64 weight rows, 128 token rows] result, transposed, to HBM."""
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging buffer is free
-                _store_transposed_pairs(staging.at[w, pl.ds(SLACK - (row_start - load), TOKENS)], y)
+                _store_transposed(staging.at[w], h_t)
                 plgpu.commit_smem()
-                _store_rows(staging.at[w, pl.ds(SLACK, TOKENS)], o_ref.at[:, pl.ds(col0, WG_COLS)],
-                            0, row_start, count)
+                _store_rows(staging.at[w], o_ref.at[:, pl.ds(col0, WG_COLS)], row_start - load,
+                            row_start, count)
 
-            def products(tokens: int):
-                """The program's pipeline with [64, tokens] accumulators: tokens = TOKENS, or
-                SHORT_TOKENS for an expert's last tile of at most that many rows (the x tile
-                still loads TOKENS rows)."""
-                def context(run):
-                    def accumulate(acc):
-                        run((acc,))
-                        gate, up = _splitter(tokens)(acc[...])
-                        stage_and_store(finish(gate, up).astype(o_ref.dtype))
+            def context(run):
+                def accumulate(gate, up):
+                    run((gate, up))
+                    stage_and_store(finish(gate[...], up[...]).astype(o_ref.dtype))
 
-                    pl.run_scoped(accumulate, plgpu.ACC((2 * WG_COLS, tokens), _F32))
+                pl.run_scoped(accumulate, *(plgpu.ACC((WG_COLS, ROWS), _F32) for _ in range(2)))
 
-                def step(_, x_s, c1_s, c3_s, f1_s, f3_s, accs):
-                    (acc,) = accs
-                    x_rows = x_s if tokens == TOKENS else x_s.at[pl.ds(0, tokens)]
-                    plgpu.wgmma(acc, _decoder()(c1_s, c3_s, f1_s, f3_s), x_rows.transpose((1, 0)))
-                    # done before the step ends: a wgmma still reading registers across the loop's
-                    # back edge came out wrong (NaN) on the H200
-                    plgpu.wgmma_wait(0)
-                    return accs
-
-                return lambda: pipeline(step, context)(
-                    x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), TOKENS)],
-                    *blocks(group, pl.multiple_of(block * COLS, COLS)), allocations=buffers)
-
-            def either_products():  # two pipelines over the same buffers
-                short = row_end - load <= SHORT_TOKENS
-                pl.when(short)(products(SHORT_TOKENS))
-                pl.when(~short)(products(TOKENS))
+            def step(_, x_s, c1_s, c3_s, f1_s, f3_s, accs):
+                mine = pl.ds(pl.multiple_of(w * WG_COLS, WG_COLS), WG_COLS)
+                for half in range(STEP_K // DEPTH):  # each decode runs while the last product does
+                    tokens = x_s.at[:, pl.ds(half * DEPTH, DEPTH)].transpose((1, 0))  # [K, ROWS]
+                    for acc, c_s, f_s in zip(accs, (c1_s, c3_s), (f1_s, f3_s)):
+                        # loaded here, after the last product was issued: ptxas keeps shared-memory
+                        # loads behind it, and with them this decode (codes loaded once a step let
+                        # it hoist every decode of the step ahead of the first product)
+                        code = plgpu.load(c_s.at[mine, pl.ds(half * OPERAND_BYTES, OPERAND_BYTES)],
+                                          layout=plgpu.Layout.WGMMA_8BIT)
+                        factors = (plgpu.load(f_s.at[2 * half + b, mine], layout=_ROW, optimized=False)
+                                   for b in range(DEPTH // BLOCK))
+                        plgpu.wgmma(acc, _decoder()(code, *factors), tokens)
+                # all done before the step ends: a wgmma still reading registers across the loop's
+                # back edge came out wrong (NaN) on the H200, and the slot is released after the step
+                plgpu.wgmma_wait(0)
+                return accs
 
             def store_zeros():  # jnp.zeros is a splat: give it the transposed store's layout
-                stage_and_store(plgpu.layout_cast(jnp.zeros((2 * WG_COLS, TOKENS // 2), o_ref.dtype),
+                stage_and_store(plgpu.layout_cast(jnp.zeros((WG_COLS, ROWS), o_ref.dtype),
                                                   plgpu.Layout.WGMMA))
 
-            _run_program(count, real, w, either_products, store_zeros)
+            _run_program(count, real, w, lambda: pipeline(step, context)(
+                x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), ROWS)],
+                *blocks(group, pl.multiple_of(block * COLS, COLS)), allocations=buffers), store_zeros)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    pl.run_scoped(scope, allocations, plgpu.SMEM((2, SLACK + TOKENS, WG_COLS), o_ref.dtype),
+    pl.run_scoped(scope, allocations, plgpu.SMEM((2, ROWS, WG_COLS), o_ref.dtype),
                   collective_axes="wg")
 
 
@@ -344,9 +263,9 @@ def gate_up_situ_mxfp4_mgpu(x_ordered: jax.Array, packed1: jax.Array, scale1: ja
             f"[E, N, K/{BLOCK}] with K % {STEP_K} == 0 and N % {COLS} == 0; got x {x_ordered.dtype} "
             f"{x_ordered.shape}, " + ", ".join(f"{w.dtype} {w.shape}" for w in weights))
     m0 = x_ordered.shape[0]
-    rows = max(TOKENS, -(-m0 // ALIGN) * ALIGN)  # a tile's copy may be no taller than x
+    rows = max(ROWS, -(-m0 // ALIGN) * ALIGN)
     x = jnp.pad(x_ordered, ((0, rows - m0), (0, 0))) if rows != m0 else x_ordered
-    meta = _work_table(group_sizes, rows, n // COLS, tile_rows=TOKENS)
+    meta = _work_table(group_sizes, rows, n // COLS)
     fold = float(2 ** FOLD)
     situ = lambda g, u: situ_f32(g * fold, u * fold, beta, linear_beta, approx=False)  # noqa: E731
     kernel = plgpu.kernel(
