@@ -9,7 +9,7 @@ It runs at 0.83-0.84x the bf16 kernel (0.77-0.82x before the decode was rebalanc
 decoding the layer in XLA first runs at 0.59x (benchmarks/RESULTS.md). With a zero operand in place
 of the decode the same kernel runs at 0.91-0.96x: every decode instruction costs tensor-core time,
 about 0.8 of a cycle each (``benchmarks/mxfp4_decode_cost.py``). Feeding each decoded operand to
-256 token rows instead of 128 halves the decode per product but ran slower (0.75-0.82x, commit
+256 token rows instead of 128 halves the decode per product but ran slower (0.71-0.82x, commit
 3b2726b): a 256-row x tile leaves room for 64-column k steps only, twice as many steps per product.
 
 Work, tiles and stores as ``mosaic_gpu_grouped_gemm`` (its work table and row stores): one
