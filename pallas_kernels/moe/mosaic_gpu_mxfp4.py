@@ -5,9 +5,10 @@ registers. So the packed weights are made the left operand ("swap AB": the tile 
 (x W^T)^T = W x^T, weight rows by token rows), and each compute warpgroup decodes its [64, 64]
 operands of E2M1 codes straight into the bf16 registers wgmma reads: the weights cross HBM and
 shared memory at 4.25 bits each (the release's bytes, no copy) and are never written back in bf16.
-It runs at 0.83-0.84x the bf16 kernel (0.77-0.82x before the decode was rebalanced), where
-decoding the layer in XLA first runs at 0.59x (benchmarks/RESULTS.md). With a zero operand in place
-of the decode the same kernel runs at 0.91-0.96x: every decode instruction costs tensor-core time,
+It runs at 0.90x the bf16 kernel on an H100 (median of nine; 0.83-0.84x with three stages and
+each slot released a step late, 0.77-0.82x before the decode was rebalanced), where decoding the
+layer in XLA first runs at 0.59x (benchmarks/RESULTS.md). With a zero operand in place of the
+decode the three-stage kernel ran at 0.91-0.96x: every decode instruction costs tensor-core time,
 about 0.8 of a cycle each (``benchmarks/mxfp4_decode_cost.py``). Feeding each decoded operand to
 256 token rows instead of 128 halves the decode per product but ran slower (0.71-0.82x, commit
 3b2726b): a 256-row x tile leaves room for 64-column k steps only, twice as many steps per product.
@@ -18,8 +19,10 @@ ahead, two compute warpgroups. A tile is 128 token rows by 128 gate and 128 up c
 owns columns [64 w, 64 w + 64) of both, i.e. two [64, 128] fp32 accumulators (weight rows x token
 rows). A step decodes and multiplies four [64, 64] operands in turn, so each decode runs while the
 previous product does; all products finish within the step (left running across the loop's back
-edge, as the bf16 kernel does, the register operands came out as NaN on the H200). The epilogue
-scales the accumulators back (``FOLD``), applies SiTU and stores the transposed [128, 64] result.
+edge, as the bf16 kernel does, the register operands came out as NaN on the H200), so a step's slot is
+free for the next copy as soon as the step returns. The epilogue scales the accumulators back
+(``FOLD``), applies SiTU and stores the transposed result in two [64, 64] parts, so that the
+output staging (16 KB) leaves the shared memory room for four stages of 50 KB.
 
 The decode (``_decoder``, PTX in ``inline_mgpu``): wgmma's 8-bit operand layout gives each thread 4
 consecutive bytes, i.e. 8 consecutive codes, of a row in one 32-bit register; the code's bits are
@@ -54,7 +57,8 @@ _F32, _BF16 = jnp.float32, jnp.bfloat16
 BLOCK = 32  # inputs per E8M0 scale byte
 COLS = 128  # a tile's weight rows, of the gate and of the up projection each
 WG_COLS = COLS // 2  # each compute warpgroup's weight rows (wgmma's 64-row M)
-STAGES = 3  # k steps in flight: 3 x 50 KB of tiles + 32 KB of output staging
+STAGES = 4  # k steps in flight: 4 x 50 KB of tiles + 16 KB of output staging
+STORE_ROWS = 64  # token rows staged per store: a half tile, which leaves room for the fourth stage
 FOLD = 32  # the decoded weights are w * 2^-FOLD, the accumulators are scaled back by 2^FOLD
 SCALE_MIN, SCALE_MAX = FOLD - 5, FOLD + 128  # scale bytes decoded exactly; others are clamped
 STEP_K = 2 * DEPTH  # k per pipeline step: four decode+wgmma pairs, so that decodes overlap products
@@ -154,8 +158,11 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
     k_steps = x_ref.shape[1] // STEP_K
 
     def pipeline(step, context):
+        # a slot is released as soon as its step returns (no delay_release, unlike the bf16
+        # kernel, whose products run on into the next step): the step waits for its products, so
+        # the producer may refill the slot at once, which keeps a whole stage more in flight
         spec = lambda shape, index, tiles=(): plgpu.BlockSpec(  # noqa: E731
-            shape, index, transforms=tiles, delay_release=1)
+            shape, index, transforms=tiles, delay_release=0)
         code_spec = spec((COLS, STEP_BYTES), lambda k: (0, k), CODE_TILES)
         factor_spec = spec((STEP_K // BLOCK, COLS), lambda k: (k, 0))
         return plgpu.emit_pipeline_warp_specialized(
@@ -184,12 +191,19 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
             col0 = pl.multiple_of(block * COLS + w * WG_COLS, WG_COLS)
 
             def stage_and_store(h_t):
-                """A warpgroup's [64 weight rows, 128 token rows] result, transposed, to HBM."""
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging buffer is free
-                _store_transposed(staging.at[w], h_t)
-                plgpu.commit_smem()
-                _store_rows(staging.at[w], o_ref.at[:, pl.ds(col0, WG_COLS)], row_start - load,
-                            row_start, count)
+                """A warpgroup's [64 weight rows, 128 token rows] result, transposed, to HBM in
+                parts of STORE_ROWS token rows, each part's rows of this program only."""
+                for part in range(ROWS // STORE_ROWS):
+                    part_load = load + part * STORE_ROWS
+                    first = jnp.maximum(row_start, part_load)
+                    part_count = jnp.maximum(
+                        jnp.minimum(row_end, part_load + STORE_ROWS) - first, 0)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging buffer is free
+                    _store_transposed(staging.at[w],
+                                      h_t[:, part * STORE_ROWS:(part + 1) * STORE_ROWS])
+                    plgpu.commit_smem()
+                    _store_rows(staging.at[w], o_ref.at[:, pl.ds(col0, WG_COLS)],
+                                first - part_load, first, part_count)
 
             def context(run):
                 def accumulate(gate, up):
@@ -226,7 +240,7 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    pl.run_scoped(scope, allocations, plgpu.SMEM((2, ROWS, WG_COLS), o_ref.dtype),
+    pl.run_scoped(scope, allocations, plgpu.SMEM((2, STORE_ROWS, WG_COLS), o_ref.dtype),
                   collective_axes="wg")
 
 
