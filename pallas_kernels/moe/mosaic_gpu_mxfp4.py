@@ -5,7 +5,7 @@ registers. So the packed weights are made the left operand ("swap AB": the tile 
 (x W^T)^T = W x^T, weight rows by token rows), and each compute warpgroup decodes its [64, 64]
 operands of E2M1 codes straight into the bf16 registers wgmma reads: the weights cross HBM and
 shared memory at 4.25 bits each (the release's bytes, no copy) and are never written back in bf16.
-It runs at 0.90x the bf16 kernel on an H100 (median of nine; 0.83-0.84x with three stages and
+It runs at 0.90x the bf16 kernel on H100s (median of eleven, 0.86-0.91x; 0.83x with three stages and
 each slot released a step late, 0.77-0.82x before the decode was rebalanced), where decoding the
 layer in XLA first runs at 0.59x (benchmarks/RESULTS.md). With a zero operand in place of the
 decode the three-stage kernel ran at 0.91-0.96x: every decode instruction costs tensor-core time,
