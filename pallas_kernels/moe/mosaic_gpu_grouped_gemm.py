@@ -92,6 +92,13 @@ def _run_program(count, real, w, products, zeros) -> None:
     pl.when((count > 0) & ~real & (w < 2))(zeros)
 
 
+def _rows_in_window(row_start, row_end, window_start, window_rows):
+    """The program's rows [row_start, row_end) that fall in [window_start, window_start +
+    window_rows), as (first row, count): a staged window holds rows of neighbouring programs too."""
+    first = jnp.maximum(row_start, window_start)
+    return first, jnp.maximum(jnp.minimum(row_end, window_start + window_rows) - first, 0)
+
+
 def _store_rows(staged, out, offset, start, count):
     """``staged[offset:offset + count]`` to ``out[start:start + count]`` (traced, offset + count <=
     the staged rows) as one TMA copy per set bit of count: copies need static sizes, and other rows
@@ -191,8 +198,7 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
             real = group < n_groups  # the virtual expert past sum(group_sizes) stores zeros
             cols = pl.ds(pl.multiple_of(block * block_cols, block_cols), block_cols)
             wg_load = load + w * WG_ROWS  # this warpgroup's rows: [wg_load, wg_load + WG_ROWS)
-            first = jnp.maximum(row_start, wg_load)
-            wg_count = jnp.maximum(jnp.minimum(row_end, wg_load + WG_ROWS) - first, 0)
+            first, wg_count = _rows_in_window(row_start, row_end, wg_load, WG_ROWS)
 
             def stage_and_store(h):
                 """A compute warpgroup's output tile, its own rows to HBM, store_cols at a time."""

@@ -5,13 +5,14 @@ registers. So the packed weights are made the left operand ("swap AB": the tile 
 (x W^T)^T = W x^T, weight rows by token rows), and each compute warpgroup decodes its [64, 64]
 operands of E2M1 codes straight into the bf16 registers wgmma reads: the weights cross HBM and
 shared memory at 4.25 bits each (the release's bytes, no copy) and are never written back in bf16.
-It runs at 0.90x the bf16 kernel on H100s (median of eleven, 0.86-0.91x; 0.83x with three stages and
-each slot released a step late, 0.77-0.82x before the decode was rebalanced), where decoding the
-layer in XLA first runs at 0.59x (benchmarks/RESULTS.md). With a zero operand in place of the
-decode the three-stage kernel ran at 0.91-0.96x: every decode instruction costs tensor-core time,
-about 0.8 of a cycle each (``benchmarks/mxfp4_decode_cost.py``). Feeding each decoded operand to
-256 token rows instead of 128 halves the decode per product but ran slower (0.71-0.82x, commit
-3b2726b): a 256-row x tile leaves room for 64-column k steps only, twice as many steps per product.
+It runs at 0.90x the bf16 kernel on H100s (median of eleven, 0.86-0.91x; 0.83x with three
+stages and each slot released a step late, 0.77-0.82x before the decode was rebalanced), where
+decoding the layer in XLA first runs at 0.59x (benchmarks/RESULTS.md). With a zero operand in
+place of the decode the three-stage kernel ran at 0.91-0.96x: every decode instruction costs
+tensor-core time, about 0.8 of a cycle each (``benchmarks/mxfp4_decode_cost.py``). Feeding each
+decoded operand to 256 token rows instead of 128 halves the decode per product but ran slower
+(0.71-0.82x, commit 3b2726b): a 256-row x tile leaves room for 64-column k steps only, twice as
+many steps per product.
 
 Work, tiles and stores as ``mosaic_gpu_grouped_gemm`` (its work table and row stores): one
 persistent CTA per SM, a producer warpgroup issuing TMA copies ``STAGES`` steps of ``STEP_K``
@@ -19,10 +20,11 @@ ahead, two compute warpgroups. A tile is 128 token rows by 128 gate and 128 up c
 owns columns [64 w, 64 w + 64) of both, i.e. two [64, 128] fp32 accumulators (weight rows x token
 rows). A step decodes and multiplies four [64, 64] operands in turn, so each decode runs while the
 previous product does; all products finish within the step (left running across the loop's back
-edge, as the bf16 kernel does, the register operands came out as NaN on the H200), so a step's slot is
-free for the next copy as soon as the step returns. The epilogue scales the accumulators back
-(``FOLD``), applies SiTU and stores the transposed result in two [64, 64] parts, so that the
-output staging (16 KB) leaves the shared memory room for four stages of 50 KB.
+edge, as the bf16 kernel does, the register operands came out as NaN on the H200), so a step's
+slot is free for the next copy as soon as the step returns: a stage more in flight than with the
+bf16 kernel's one-step release delay. The epilogue scales the accumulators back (``FOLD``),
+applies SiTU and stores the transposed result in two [64, 64] parts, so that the output staging
+(16 KB) leaves the shared memory room for four stages of 50 KB.
 
 The decode (``_decoder``, PTX in ``inline_mgpu``): wgmma's 8-bit operand layout gives each thread 4
 consecutive bytes, i.e. 8 consecutive codes, of a row in one 32-bit register; the code's bits are
@@ -48,8 +50,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.mosaic_gpu_grouped_gemm import (
-    ALIGN, DEPTH, MEMORY_REGISTERS, ROWS, TILES, _program, _run_program, _store_rows,
-    _store_transposed, _work_table, sm_count,
+    ALIGN, DEPTH, MEMORY_REGISTERS, ROWS, TILES, _program, _rows_in_window, _run_program,
+    _store_rows, _store_transposed, _work_table, sm_count,
 )
 from pallas_kernels.moe.pallas_grouped_gemm import situ_f32
 
@@ -158,9 +160,7 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
     k_steps = x_ref.shape[1] // STEP_K
 
     def pipeline(step, context):
-        # a slot is released as soon as its step returns (no delay_release, unlike the bf16
-        # kernel, whose products run on into the next step): the step waits for its products, so
-        # the producer may refill the slot at once, which keeps a whole stage more in flight
+        # no release delay, unlike the bf16 kernel: a step's products end within it (docstring)
         spec = lambda shape, index, tiles=(): plgpu.BlockSpec(  # noqa: E731
             shape, index, transforms=tiles, delay_release=0)
         code_spec = spec((COLS, STEP_BYTES), lambda k: (0, k), CODE_TILES)
@@ -195,9 +195,7 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
                 parts of STORE_ROWS token rows, each part's rows of this program only."""
                 for part in range(ROWS // STORE_ROWS):
                     part_load = load + part * STORE_ROWS
-                    first = jnp.maximum(row_start, part_load)
-                    part_count = jnp.maximum(
-                        jnp.minimum(row_end, part_load + STORE_ROWS) - first, 0)
+                    first, part_count = _rows_in_window(row_start, row_end, part_load, STORE_ROWS)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging buffer is free
                     _store_transposed(staging.at[w],
                                       h_t[:, part * STORE_ROWS:(part + 1) * STORE_ROWS])
