@@ -26,7 +26,7 @@ from pallas_kernels.kda.pallas_kda import (
     default_inter_kernel, pallas_chunk_kda, pallas_chunk_kda_fused_gate,
 )
 from pallas_kernels.kda.reference import chunked_kda
-from tests.h200_lowering import lowered_for_h200
+from tests.pallas_kernels.h200_lowering import lowered_for_h200
 from tests.kda.kda_cases import as_f32, kda_case, rel
 
 _BF16, _F32 = jnp.bfloat16, jnp.float32

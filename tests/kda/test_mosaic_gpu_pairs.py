@@ -22,7 +22,7 @@ from pallas_kernels.kda.pallas_intra import default_pairs
 from pallas_kernels.kda.pallas_kda import pallas_chunk_kda
 from pallas_kernels.kda.pallas_kda_bwd import pallas_chunk_kda_bwd
 from pallas_kernels.kda.reference import chunked_kda
-from tests.h200_lowering import lowered_for_h200
+from tests.pallas_kernels.h200_lowering import lowered_for_h200
 from tests.kda.kda_cases import as_f32, kda_case, rel
 
 B, T, H, K = 1, 2 * C, 2, 128

@@ -18,7 +18,7 @@ from pallas_kernels.kda.pallas_kda import (
     pallas_chunk_kda_fused_gate,
 )
 from pallas_kernels.kda.reference import chunked_kda
-from tests.h200_lowering import lowered_for_h200
+from tests.pallas_kernels.h200_lowering import lowered_for_h200
 from tests.kda.kda_cases import as_f32, kda_case, rel
 
 B, H, K, V = 2, 2, 32, 64  # K != V on purpose

@@ -23,7 +23,7 @@ from pallas_kernels.kda.chunk_backward import chunk_kda_bwd
 from pallas_kernels.kda.pallas_kda import INVERSE_WARPS, pallas_chunk_kda
 from pallas_kernels.kda.pallas_kda_bwd import default_states, pallas_chunk_kda_bwd
 from pallas_kernels.kda.reference import chunked_kda
-from tests.h200_lowering import lowered_for_h200
+from tests.pallas_kernels.h200_lowering import lowered_for_h200
 
 
 def _args(x, with_state: bool) -> tuple:

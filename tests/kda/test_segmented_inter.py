@@ -31,7 +31,7 @@ from pallas_kernels.kda.reference import chunked_kda
 from pallas_kernels.kda.segmented_inter import (
     MIN_SEGMENT_CHUNKS, _as_segments, inter_segments, segments_for,
 )
-from tests.h200_lowering import lowered_for_h200
+from tests.pallas_kernels.h200_lowering import lowered_for_h200
 from tests.kda.kda_cases import as_f32, kda_case, rel
 
 _BF16, _F32 = jnp.bfloat16, jnp.float32

@@ -21,7 +21,7 @@ from pallas_kernels.moe.mosaic_gpu_grouped_gemm import (
     ALIGN, ROWS, TAIL_ROWS, _work_table, gate_up_situ_mgpu, grouped_matmul_mgpu, sm_count,
 )
 from pallas_kernels.moe.reference import situ
-from tests.h200_lowering import lowered_for_h200
+from tests.pallas_kernels.h200_lowering import lowered_for_h200
 
 _BF16, _F32 = jnp.bfloat16, jnp.float32
 TOL = 1e-2

@@ -17,7 +17,7 @@ import pytest
 
 from k3jax.checkpoint.mxfp4 import decode_mxfp4_jax
 from pallas_kernels.moe import mosaic_gpu_mxfp4 as mx
-from tests.h200_lowering import lowered_for_h200
+from tests.pallas_kernels.h200_lowering import lowered_for_h200
 
 S = jax.ShapeDtypeStruct
 _U8, _BF16 = jnp.uint8, jnp.bfloat16

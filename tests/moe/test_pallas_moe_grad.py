@@ -25,7 +25,7 @@ from pallas_kernels.moe import pallas_grouped_gemm as pg
 from pallas_kernels.moe.pallas_experts import experts_pallas
 from pallas_kernels.moe.pallas_vjp import _ragged_rows_outer, situ_and_grads
 from pallas_kernels.moe.reference import situ
-from tests.h200_lowering import lowered_for_h200
+from tests.pallas_kernels.h200_lowering import lowered_for_h200
 
 F32 = jnp.float32
 CFG = pg.TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)

@@ -23,7 +23,7 @@ from pallas_kernels.moe import pallas_grouped_gemm as pg
 from pallas_kernels.moe.mxfp4_tile import decode_tile
 from pallas_kernels.moe.pallas_experts import experts_pallas
 from pallas_kernels.moe.reference import _RAGGED_DIMS, situ
-from tests.h200_lowering import lowered_for_h200
+from tests.pallas_kernels.h200_lowering import lowered_for_h200
 
 F32 = jnp.float32
 M, E = 200, 5

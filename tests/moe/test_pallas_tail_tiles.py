@@ -23,7 +23,7 @@ from k3jax.checkpoint.mxfp4 import encode_mxfp4
 from pallas_kernels.moe import MXFP4Experts
 from pallas_kernels.moe import pallas_grouped_gemm as pg
 from pallas_kernels.moe.reference import _RAGGED_DIMS, situ
-from tests.h200_lowering import lowered_for_h200
+from tests.pallas_kernels.h200_lowering import lowered_for_h200
 
 F32 = jnp.float32
 M, K, N, E = 200, 64, 64, 5
