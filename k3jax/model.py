@@ -34,6 +34,9 @@ class ModelCache(NamedTuple):
     # (masked out of attention, identity steps for KDA). None: no padding.
     start: jax.Array | None = None
 
+    # Logical axes of the array fields, read by `sharding` (the layer caches declare their own).
+    LOGICAL_AXES = {"length": (), "start": ("activation_batch",)}
+
     @property
     def capacity(self) -> int:
         for c in (*self.head, *self.groups, *self.tail):

@@ -11,24 +11,9 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from k3jax.model import K3Model, ModelCache
-from k3jax.nn.kda import KDACache
-from k3jax.nn.mla import MLACache
-from k3jax.nn.moe import LatentMoE
 from sharding.rules import DEFAULT_RULES, Rules, logical_to_spec
 
-# Logical axes of the cache arrays (the model's parameters declare theirs in the model code). They
-# are the layouts GSPMD itself gives the caches that prefill/decode_step return, so a decode step's
-# output cache has its input's layout: no recompile on the second step, and donation can reuse the
-# buffers. The KDA state's heads follow `kda_heads` (split like the projections that update them);
-# the conv tail [B, W-1, 3P] holds the q|k|v projections' last inputs, split along 3P like them.
-CACHE_AXES: dict[type, dict[str, tuple[str | None, ...]]] = {
-    KDACache: {
-        "state": ("activation_batch", "kda_heads", None, None),
-        "conv": ("activation_batch", None, "kda_proj"),
-    },
-    MLACache: {"latent": ("activation_batch", "cache_length", None)},
-}
+LOGICAL_AXES = "LOGICAL_AXES"  # class attribute of a cache NamedTuple: {field: logical axes}
 
 
 def _is_variable(x: object) -> bool:
@@ -46,7 +31,7 @@ def named_sharding(
     return NamedSharding(mesh, logical_to_spec(("layers",) * extra + tuple(logical_axes), rules, mesh, shape))
 
 
-def param_shardings(model: K3Model, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> K3Model:
+def param_shardings(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
     """The model's tree with a NamedSharding in place of every Variable (a prefix of the model's pytree,
     as `jax.device_put` and `jax.jit(in_shardings=...)` accept). Params must declare `logical_axes`."""
 
@@ -66,7 +51,7 @@ def param_shardings(model: K3Model, mesh: Mesh, rules: Rules = DEFAULT_RULES) ->
     return jax.tree_util.tree_map_with_path(sharding_of, model, is_leaf=_is_variable)
 
 
-def shard_model(model: K3Model, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> K3Model:
+def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
     """The model with every parameter placed on `mesh` by `rules` (a new tree; `model` is unchanged).
 
     When `exp` lands on a mesh axis of size > 1, the MoE layers are told the mesh, so their routed
@@ -76,37 +61,46 @@ def shard_model(model: K3Model, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> K3M
     return sharded
 
 
-def enable_expert_parallelism(model: K3Model, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> None:
-    """Give every LatentMoE the mesh if experts are split over it (in place; static attributes)."""
+def enable_expert_parallelism(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> None:
+    """Give every module with an `expert_mesh` attribute (the routed-expert layers) the mesh, if
+    experts are split over it (in place; static attributes)."""
     expert_axis = rules.get("exp")
     if expert_axis is None or not isinstance(expert_axis, str) or mesh.shape.get(expert_axis, 1) == 1:
         return
     for _, module in nnx.iter_modules(model):
-        if isinstance(module, LatentMoE):
+        if hasattr(module, "expert_mesh"):
             module.expert_mesh = mesh
 
 
-def cache_shardings(cache: ModelCache, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> ModelCache:
-    """NamedShardings for a ModelCache (see CACHE_AXES): batch on (data, fsdp), KDA heads and conv
-    channels on tensor; group caches carry a leading stacked-layer axis; the token count is replicated."""
+def cache_shardings(cache: object, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> object:
+    """NamedShardings for a cache pytree: every NamedTuple in it that declares `LOGICAL_AXES` gives
+    its array fields' logical axes (batch on data/fsdp, KDA heads and conv channels on tensor);
+    stacked group caches carry a leading layer axis (`named_sharding`); None fields stay None.
+    These are the layouts GSPMD itself gives the caches prefill/decode_step return, so a decode
+    step's output cache has its input's layout: no recompile on the second step, and donation can
+    reuse the buffers."""
 
-    def layer(cache_entry, stacked: bool):
-        axes = CACHE_AXES[type(cache_entry)]
-        return type(cache_entry)(**{
-            field: named_sharding(("layers",) * stacked + axes[field], getattr(cache_entry, field).shape, mesh, rules)
-            for field in cache_entry._fields
-        })
+    def place(node: object) -> object:
+        axes = getattr(type(node), LOGICAL_AXES, None)
+        if axes is None:
+            if isinstance(node, (tuple, list)):
+                return type(node)(place(child) for child in node)
+            raise TypeError(f"cache_shardings: {type(node).__name__} declares no {LOGICAL_AXES}")
+        fields = {}
+        for name in node._fields:
+            value = getattr(node, name)
+            if value is None:
+                fields[name] = None
+            elif name in axes:
+                fields[name] = named_sharding(axes[name], value.shape, mesh, rules)
+            else:
+                fields[name] = place(value)
+        return type(node)(**fields)
 
-    return ModelCache(
-        head=tuple(layer(c, False) for c in cache.head),
-        groups=tuple(layer(c, True) for c in cache.groups),
-        tail=tuple(layer(c, False) for c in cache.tail),
-        length=NamedSharding(mesh, PartitionSpec()),
-        start=None if cache.start is None else named_sharding(("activation_batch",), cache.start.shape, mesh, rules),
-    )
+    return place(cache)
 
 
-def shard_cache(cache: ModelCache, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> ModelCache:
+def shard_cache(cache: object, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> object:
     return jax.device_put(cache, cache_shardings(cache, mesh, rules))
 
 

@@ -23,6 +23,11 @@ class KDACache(NamedTuple):
     state: jax.Array  # [B, H, K, V] fp32 recurrent state
     conv: jax.Array  # [B, W-1, 3P] last W-1 raw (pre-conv) q|k|v projections, activation dtype
 
+    # Logical axes per field, read by `sharding` to place caches. The state's heads follow
+    # `kda_heads` (split like the projections that update them); the conv tail holds the q|k|v
+    # projections' last inputs, split along 3P like them.
+    LOGICAL_AXES = {"state": ("activation_batch", "kda_heads", None, None), "conv": ("activation_batch", None, "kda_proj")}
+
     @classmethod
     def empty(cls, cfg: K3Config, batch: int, dtype: jnp.dtype) -> "KDACache":
         h, d = cfg.kda_num_heads, cfg.kda_head_dim

@@ -36,6 +36,8 @@ def _attention_mask(query_pos: jax.Array, key_pos: jax.Array, start: jax.Array |
 class MLACache(NamedTuple):
     latent: jax.Array  # [B, S, kv_lora_rank + qk_rope_head_dim], activation dtype
 
+    LOGICAL_AXES = {"latent": ("activation_batch", "cache_length", None)}  # read by `sharding`
+
     @classmethod
     def empty(cls, cfg: K3Config, batch: int, capacity: int, dtype: jnp.dtype) -> "MLACache":
         return cls(jnp.zeros((batch, capacity, cfg.kv_lora_rank + cfg.qk_rope_head_dim), dtype))
