@@ -118,9 +118,6 @@ class K3Config:
             raise ConfigError("config of model_type 'kimi_k3' has no 'text_config'")
         return dataclasses.replace(_parse_text_config(text, top=raw), **overrides)
 
-    def to_json_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def _load_json(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
     if isinstance(path_or_dict, dict):

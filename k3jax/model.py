@@ -9,6 +9,7 @@ follow the checkpoint's tensor names, so the loader maps parameters by path.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import K3Config
+from k3jax.kernels import Kernels
 from k3jax.layer_plan import plan_layers
 from k3jax.nn.attn_res import AttnResStream, attn_res_mix
 from k3jax.nn.decoder import DecoderLayer, LayerCache, LayerTaps
@@ -66,9 +68,17 @@ def _stack(trees: list) -> object:
 
 class K3Model(nnx.Module):
     def __init__(self, cfg: K3Config, layers: list[DecoderLayer], *, rngs: nnx.Rngs) -> None:
-        """Assemble a model from its decoder layers; embeddings, norms and head are declared here."""
+        """Assemble a model from its decoder layers; embeddings, norms and head are declared here.
+
+        `kernels` (static) is the kernel choice the layers were built with, which must be one choice.
+        """
         if len(layers) != cfg.num_hidden_layers:
             raise ValueError(f"got {len(layers)} decoder layers, config has num_hidden_layers={cfg.num_hidden_layers}")
+        choices = {layer.kernels for layer in layers}
+        if len(choices) != 1:
+            raise ValueError(f"decoder layers were built with different kernels {sorted(map(repr, choices))}; "
+                             "a model runs one choice")
+        (self.kernels,) = choices
         dtype = jnp.dtype(cfg.dtype)
         d = cfg.hidden_size
         self.config = cfg
@@ -88,15 +98,19 @@ class K3Model(nnx.Module):
 
     @classmethod
     def init(
-        cls, cfg: K3Config, *, seed: int = 0, moe_implementation: str = "auto", kda_implementation: str = "auto"
+        cls, cfg: K3Config, *, seed: int = 0, kernels: Kernels | Mapping[str, str | None] | None = None
     ) -> "K3Model":
-        """A randomly initialised model (tests, demos, abstract shapes via `nnx.eval_shape`)."""
+        """A randomly initialised model (tests, demos, abstract shapes via `nnx.eval_shape`).
+
+        `kernels`: the implementation of each op (`Kernels`, or a mapping such as `{"moe": "xla"}`;
+        None or a missing op: the dispatch policy). It is part of the model's static structure, so
+        the forward, `prefill`, `decode_step` and `generate` all compile for it.
+        """
+        kernels = Kernels.of(kernels)
         rngs = nnx.Rngs(seed)
         dtype = jnp.dtype(cfg.dtype)
         layers = [
-            DecoderLayer(cfg, mixer, ffn, dtype=dtype, rngs=rngs, moe_implementation=moe_implementation,
-                         kda_implementation=kda_implementation)
-            for mixer, ffn in cfg.layer_kinds
+            DecoderLayer(cfg, mixer, ffn, dtype=dtype, rngs=rngs, kernels=kernels) for mixer, ffn in cfg.layer_kinds
         ]
         return cls(cfg, layers, rngs=rngs)
 

@@ -3,15 +3,20 @@
     mesh = make_mesh("expert=4,tensor=2")
     model = shard_model(model, mesh)            # or k3jax.from_pretrained(path, mesh="expert=4,tensor=2")
     logits = model(shard_batch(ids, mesh))      # jit + GSPMD partition the forward from the shardings
+
+Routed experts split over `expert` run under shard_map (`ep_routed_experts`), which the MoE layers
+call once `shard_model` / `enable_expert_parallelism` has given them the mesh.
 """
 
-from sharding.mesh import MESH_AXES, make_mesh
-from sharding.rules import DEFAULT_RULES, logical_to_spec
+from sharding.expert_parallel import ep_routed_experts
+from sharding.mesh import DEFAULT_SPEC, MESH_AXES, make_mesh, mesh_device_count, parse_mesh_spec
+from sharding.rules import DEFAULT_RULES, Rules, logical_to_spec
 from sharding.shard_model import (
     cache_shardings, enable_expert_parallelism, param_shardings, shard_batch, shard_cache, shard_model,
 )
 
 __all__ = [
-    "DEFAULT_RULES", "MESH_AXES", "cache_shardings", "enable_expert_parallelism", "logical_to_spec", "make_mesh", "param_shardings",
+    "DEFAULT_RULES", "DEFAULT_SPEC", "MESH_AXES", "Rules", "cache_shardings", "enable_expert_parallelism",
+    "ep_routed_experts", "logical_to_spec", "make_mesh", "mesh_device_count", "param_shardings", "parse_mesh_spec",
     "shard_batch", "shard_cache", "shard_model",
 ]

@@ -27,8 +27,8 @@ MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
 DEFAULT_SPEC = "fsdp=-1"
 
 
-def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
-    """"data=2,tensor=-1" -> {"data": 2, "fsdp": 1, ..., "tensor": num_devices // 2}, checked."""
+def _axis_sizes(spec: str) -> dict[str, int]:
+    """The sizes a spec names, checked part by part: "data=2,tensor=-1" -> {"data": 2, "tensor": -1}."""
     sizes: dict[str, int] = {}
     for part in spec.split(","):
         part = part.strip()
@@ -46,7 +46,12 @@ def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
         if size < 1 and size != -1:
             raise ValueError(f"mesh spec {spec!r}: axis {name!r} has size {size}; sizes are >= 1, or -1 for the rest")
         sizes[name] = size
+    return sizes
 
+
+def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
+    """"data=2,tensor=-1" -> {"data": 2, "fsdp": 1, ..., "tensor": num_devices // 2}, checked."""
+    sizes = _axis_sizes(spec)
     auto = [name for name, size in sizes.items() if size == -1]
     if len(auto) > 1:
         raise ValueError(f"mesh spec {spec!r}: only one axis may be -1, got {', '.join(auto)}")
@@ -61,6 +66,16 @@ def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
     elif fixed != num_devices:
         raise ValueError(f"mesh spec {spec!r}: axis sizes multiply to {fixed}, but there are {num_devices} devices")
     return {name: sizes.get(name, 1) for name in MESH_AXES}
+
+
+def mesh_device_count(spec: str) -> int:
+    """Devices a spec of explicit sizes spans ("expert=8,tensor=4" -> 32), for planning a mesh that
+    need not exist here; -1 ("the rest") has no meaning without devices, so it is an error."""
+    sizes = _axis_sizes(spec)
+    auto = [name for name, size in sizes.items() if size == -1]
+    if auto:
+        raise ValueError(f"mesh spec {spec!r}: axis {auto[0]!r} has size -1; a device count needs explicit sizes")
+    return math.prod(sizes.values())
 
 
 def make_mesh(spec: str | Mesh | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -82,25 +82,22 @@ def cache_shardings(cache: object, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
 
     def place(node: object) -> object:
         axes = getattr(type(node), LOGICAL_AXES, None)
-        if axes is None:
-            if isinstance(node, (tuple, list)):
-                return type(node)(place(child) for child in node)
-            raise TypeError(f"cache_shardings: {type(node).__name__} declares no {LOGICAL_AXES}")
-        fields = {}
-        for name in node._fields:
-            value = getattr(node, name)
-            if value is None:
-                fields[name] = None
-            elif name in axes:
-                fields[name] = named_sharding(axes[name], value.shape, mesh, rules)
-            else:
-                fields[name] = place(value)
-        return type(node)(**fields)
+        if axes is not None:
+            return type(node)(**{name: place_field(getattr(node, name), axes.get(name)) for name in node._fields})
+        if isinstance(node, (tuple, list)) and not hasattr(node, "_fields"):
+            return type(node)(place(child) for child in node)
+        raise TypeError(f"cache_shardings: {type(node).__name__} declares no {LOGICAL_AXES}")
+
+    def place_field(value: object, axes: tuple[str | None, ...] | None) -> object:
+        if value is None:
+            return None
+        return place(value) if axes is None else named_sharding(axes, value.shape, mesh, rules)
 
     return place(cache)
 
 
 def shard_cache(cache: object, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> object:
+    """The cache placed on `mesh` by `cache_shardings` (a new tree)."""
     return jax.device_put(cache, cache_shardings(cache, mesh, rules))
 
 

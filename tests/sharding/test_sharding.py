@@ -6,6 +6,8 @@ logits and greedy tokens, with some parameters really split, so the test cannot 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,10 +18,9 @@ import k3jax
 from k3jax.nn.kda import KDACache
 from k3jax.nn.mla import MLACache
 from sharding import (
-    DEFAULT_RULES, cache_shardings, logical_to_spec, make_mesh, shard_batch, shard_cache, shard_model,
+    DEFAULT_RULES, cache_shardings, logical_to_spec, make_mesh, mesh_device_count, param_shardings, parse_mesh_spec,
+    shard_batch, shard_cache, shard_model,
 )
-from sharding.mesh import parse_mesh_spec
-from sharding.shard_model import param_shardings
 from tests.conftest import GOLDEN_DIR, rel_rms
 
 MESHES = ["expert=8", "data=2,expert=2,tensor=2", "fsdp=2,expert=2,tensor=2"]
@@ -74,6 +75,17 @@ def test_make_mesh_has_all_axes_on_all_devices():
 def test_bad_mesh_specs_name_the_bad_part(spec, message):
     with pytest.raises(ValueError, match=message):
         make_mesh(spec)
+
+
+def test_mesh_device_count_of_explicit_specs():
+    assert mesh_device_count("expert=8,tensor=4") == 32
+    assert mesh_device_count(" data = 2 ") == 2
+    with pytest.raises(ValueError, match=r"mesh spec 'expert=-1,tensor=2': axis 'expert' has size -1"):
+        mesh_device_count("expert=-1,tensor=2")
+    for spec, message in [("tensor=0", "axis 'tensor' has size 0"), ("tensor=two", "size 'two' of axis 'tensor'"),
+                          ("model=2", "unknown axis 'model'")]:
+        with pytest.raises(ValueError, match=rf"mesh spec '{spec}': .*{message}"):
+            mesh_device_count(spec)
 
 
 # ---- the rule table ----------------------------------------------------------------------------
@@ -158,6 +170,16 @@ def test_cache_shardings_split_batch_and_kda_heads(golden_model_fp32):
     assert {kda.state.spec for kda in by_kind(shardings.groups, KDACache)} == {P(None, "data", "tensor")}
     assert {mla.latent.spec for mla in by_kind(shardings.groups, MLACache)} == {P(None, "data")}
     assert shardings.length.spec == P()
+
+
+def test_cache_shardings_need_declared_axes():
+    """A NamedTuple in a cache that declares no LOGICAL_AXES is an error naming it, not a guess."""
+
+    class Undeclared(NamedTuple):
+        state: jax.Array
+
+    with pytest.raises(TypeError, match="Undeclared declares no LOGICAL_AXES"):
+        cache_shardings((Undeclared(jnp.zeros((2, 4))),), make_mesh("data=2,expert=2,tensor=2"))
 
 
 def test_decode_steps_keep_the_cache_layout(golden_model_fp32, prompt, unsharded):

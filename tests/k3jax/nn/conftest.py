@@ -1,4 +1,4 @@
-"""Shared fixtures for tests/nn: one tiny float32 model, built once per session (random init is the
+"""Shared fixtures for tests/k3jax/nn: one tiny float32 model, built once per session (random init is the
 slow part of these tests on CPU)."""
 
 from __future__ import annotations

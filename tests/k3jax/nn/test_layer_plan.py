@@ -15,9 +15,9 @@ import pytest  # noqa: E402
 from k3jax.config import K3Config  # noqa: E402
 from k3jax.layer_plan import LayerPlan, plan_layers  # noqa: E402
 from k3jax.model import K3Model  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from tests.conftest import GOLDEN_DIR as GOLDEN  # noqa: E402
+from tests.k3jax.nn.conftest import flat_params  # noqa: E402
 
 
 def k3_release_kinds() -> list[tuple[str, str]]:
@@ -103,19 +103,9 @@ def test_small_patterns(kinds, expected) -> None:
 
 # ---- K3Model.layer(i) ------------------------------------------------------------------------------
 
-def flat_params(module) -> dict[tuple, np.ndarray]:
-    state = nnx.state(module, nnx.Param)
-    return {path: np.asarray(value) for path, value in jax.tree_util.tree_flatten_with_path(state)[0]}
-
-
-@pytest.fixture(scope="module")
-def built(tiny_built):
-    """(model, per-layer parameter snapshots, cfg) from conftest's session fixture."""
-    return tiny_built
-
-
-def test_model_layer_returns_the_stacked_slice(built) -> None:
-    model, snapshots, cfg = built
+def test_model_layer_returns_the_stacked_slice(tiny_built) -> None:
+    """`tiny_built` (conftest): the model, per-layer parameter snapshots taken before stacking, cfg."""
+    model, snapshots, cfg = tiny_built
     plan = model.plan
     assert (plan.start, plan.period, plan.num_groups) == (4, 4, 2)
     for i in range(cfg.num_hidden_layers):
@@ -139,9 +129,9 @@ def test_model_layer_returns_the_stacked_slice(built) -> None:
     assert any(not np.array_equal(a[p], b[p]) for p in a)
 
 
-def test_model_init_matches_explicit_assembly(built) -> None:
+def test_model_init_matches_explicit_assembly(tiny_built) -> None:
     """K3Model.init draws the layers first from one Rngs stream, as the explicit assembly above does."""
-    _, snapshots, cfg = built
+    _, snapshots, cfg = tiny_built
     model = K3Model.init(cfg, seed=0)
     for i in (0, 5, 12):
         got = flat_params(model.layer(i))

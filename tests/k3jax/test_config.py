@@ -13,7 +13,7 @@ from flax import nnx
 from k3jax import ConfigError, K3Config, K3Model
 from tests.conftest import GOLDEN_DIR
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 BARE_TEXT_CONFIGS = ["k3_tiny", "k3_mini", "k3_narrow_93"]
 
