@@ -1,4 +1,5 @@
-"""Loading HF release directories: name mapping variants and clear errors for bad checkpoints.
+"""Loading HF release directories: name mapping variants, clear errors for bad checkpoints, and the
+release read straight onto a mesh.
 
 Variants are written from the golden checkpoint's own tensors as single-file checkpoints, so the
 loaded model must give exactly the golden model's logits.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -15,7 +17,8 @@ import pytest
 
 import k3jax
 from k3jax.checkpoint import CheckpointError, CheckpointIndex, decode_mxfp4
-from tests.conftest import write_variant
+from k3jax.load import release
+from tests.conftest import rel_rms, write_variant
 
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 512, (1, 20)), jnp.int32)
 
@@ -93,3 +96,24 @@ def test_config_that_does_not_match_the_checkpoint(tmp_path, golden_dir, golden_
     (root / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="e_score_correction_bias has shape \\[16\\], the model expects \\[8\\]"):
         k3jax.from_pretrained(root, dtype="float32")
+
+
+def test_release_onto_a_mesh_reads_each_piece_into_its_sharding(golden_dir, golden_model_fp32, monkeypatch):
+    """On a mesh the release is read region by region into the shardings: never a whole item on the
+    host, and the leaves are the unsharded load's, really split."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (jax_num_cpu_devices=8 on CPU)")
+
+    def no_host_items(*args, **kwargs):
+        raise AssertionError("a mesh load must not materialise whole items on the host")
+
+    monkeypatch.setattr(release, "materialize_item", no_host_items)
+    model = k3jax.from_pretrained(golden_dir, dtype="float32", mesh="expert=2,tensor=2,data=2")
+    leaves, expected = jax.tree.leaves(model), jax.tree.leaves(golden_model_fp32)
+    assert len(leaves) == len(expected)
+    for leaf, want in zip(leaves, expected):
+        assert leaf.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(want))
+    w1 = model.group_layers[0].block_sparse_moe.experts.w1[...]
+    assert w1.sharding.spec[:2] == (None, "expert") and w1.addressable_shards[0].data.shape[1] == w1.shape[1] // 2
+    assert rel_rms(model(IDS), golden_model_fp32(IDS)) <= 1e-5  # fp32 noise of a partitioned forward
