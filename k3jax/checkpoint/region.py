@@ -6,8 +6,9 @@
 
 A piece equals `materialize(leaf, index)[region]` bit for bit because `read_box` *is* `materialize`:
 it runs the one transform (MXFP4 decode or keep, stacking, A_log slicing, cast, NaN/inf check) on a
-smaller leaf whose sources are row ranges of the release's tensors. A row range of a row-major tensor is one contiguous byte range, so it is described by an ordinary
-`TensorInfo` (same file, narrower offsets) and read by the ordinary reader.
+smaller leaf whose sources are row ranges of the release's tensors. A row range of a row-major
+tensor is one contiguous byte range, so it is described by an ordinary `TensorInfo` (same file,
+narrower offsets) and read by the ordinary reader.
 
 What is read for a region (its "read box"):
 * a stacked expert leaf [E, rows, cols]: only the tensors of the experts in the region, and of those

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from k3jax.checkpoint.mxfp4 import decode_mxfp4, decode_mxfp4_jax
-from k3jax.checkpoint.names import EXPERTS_PREFIX, abstract_items
+from k3jax.checkpoint.names import EXPERTS_PREFIX, Slot, abstract_items
 from k3jax.checkpoint.safetensors_index import CheckpointError
 from k3jax.checkpoint.store import ItemStore, read_complete_manifest
 from k3jax.config import K3Config
@@ -65,8 +65,9 @@ def load_items(
     stored_items = abstract_items(stored)
     store = ItemStore(root)
 
-    def read_item(item: str, slots: dict, shardings: dict[str, NamedSharding] | None) -> dict:
-        stored_slots = stored_items[item]
+    def read_item(item: str, slots: dict[Slot, jax.ShapeDtypeStruct],
+                  shardings: dict[str, NamedSharding] | None) -> dict[str, np.ndarray | jax.Array]:
+        stored_slots = stored_items[item]  # `slots` differ only where experts are decoded after the restore
         recorded = manifest["items"].get(item)
         if recorded is None:
             raise CheckpointError(f"{root}: the manifest has no item {item!r} that this model needs")

@@ -12,8 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from jax.sharding import Mesh
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
+from k3jax.checkpoint.names import Slot
 from k3jax.checkpoint.plan import build_plan
 from k3jax.checkpoint.region import leaf_array
 from k3jax.checkpoint.safetensors_index import CheckpointIndex
@@ -52,7 +55,8 @@ def release_model(
     abstract = abstract_model(cfg, packed_experts=packed_experts, kernels=kernels)
     plan = build_plan(index, abstract)
 
-    def read_item(item, slots, shardings):
+    def read_item(item: str, slots: dict[Slot, jax.ShapeDtypeStruct],
+                  shardings: dict[str, NamedSharding] | None) -> dict[str, np.ndarray | jax.Array]:
         if shardings is None:
             return materialize_item(plan.item(item), index)
         return {leaf.target: leaf_array(leaf, index, shardings[leaf.target]) for leaf in plan.item(item).leaves}

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from k3jax.checkpoint import CheckpointIndex
+from k3jax.convert import convert
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -48,8 +49,6 @@ def golden_tensors(golden_dir) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="session")
 def converted_fp32(tmp_path_factory, golden_dir):
     """The golden release converted in float32 with --verify (experts kept MXFP4-packed, the default)."""
-    from k3jax.convert import convert
-
     out = tmp_path_factory.mktemp("conv") / "fp32"
     convert(golden_dir, out, dtype="float32", verify=True, progress=False)
     return out

@@ -12,6 +12,7 @@ import pytest
 import k3jax
 from k3jax.checkpoint import CheckpointError
 from k3jax.checkpoint.store import COMPLETE, MANIFEST
+from k3jax.checkpoint.transform import _all_finite, _decode_pair
 from k3jax.cli import main
 from tests.conftest import write_variant
 from tests.k3jax.convert.conftest import run_cli
@@ -73,8 +74,6 @@ def test_non_finite_weights_are_reported_by_tensor_name(tmp_path, golden_dir, go
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16, np.float64])
 def test_finite_check_on_the_bits_agrees_with_isfinite(dtype):
-    from k3jax.checkpoint.transform import _all_finite
-
     values = np.random.default_rng(0).standard_normal(300_001).astype(dtype)
     assert _all_finite(values) and _all_finite(values[::2])
     for bad in (np.nan, np.inf, -np.inf):
@@ -84,8 +83,6 @@ def test_finite_check_on_the_bits_agrees_with_isfinite(dtype):
 
 
 def test_table_decode_reports_blocks_that_overflow():
-    from k3jax.checkpoint.transform import _decode_pair
-
     packed, scale = np.full((2, 16), 0x77, np.uint8), np.full((2, 1), 127, np.uint8)  # codes 6.0, factor 1
     assert _decode_pair(("p", "s"), packed, scale, np.dtype(np.float32)).max() == 6.0
     scale[1, 0] = 254  # 6.0 * 2^127 overflows float32

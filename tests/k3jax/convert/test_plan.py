@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.checkpoint import CheckpointIndex
+from k3jax.checkpoint import CheckpointError, CheckpointIndex, decode_mxfp4, transform
 from k3jax.checkpoint.names import abstract_items
 from k3jax.cli import main
 from k3jax.config import K3Config
@@ -111,8 +112,6 @@ def test_mxfp4_release_plans_packed_experts_by_default(golden_dir, capsys):
 
 
 def test_packed_experts_need_an_mxfp4_release(tmp_path, golden_dir, golden_tensors):
-    from k3jax.checkpoint import CheckpointError, decode_mxfp4
-
     tensors = dict(golden_tensors)
     base = "language_model.model.layers.2.block_sparse_moe.experts.7.w3"
     packed, scale = tensors.pop(f"{base}.weight_packed"), tensors.pop(f"{base}.weight_scale")
@@ -132,10 +131,6 @@ def test_item_reads_in_file_order_equal_the_per_leaf_reference(golden_dir, dtype
                                                                monkeypatch):
     """The converter's coalesced, file-ordered reads and table MXFP4 decode == `materialize`, bit for bit,
     also into one dirty buffer reused by every item, and when the kernel returns short reads."""
-    import os
-
-    from k3jax.checkpoint import transform
-
     planned = plan_conversion(golden_dir, dtype=dtype, experts=experts)
     monkeypatch.setattr(transform, "READ_RUN_BYTES", 40_000)  # several runs per shard, tensors split across
     monkeypatch.setattr(transform, "_IOV_MAX", 3)  # several preadv calls per run
