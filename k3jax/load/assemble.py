@@ -45,12 +45,18 @@ def load_model(abstract: K3Model, read_item: ReadItem, mesh: Mesh | None = None)
                                       f"{list(leaf.shape)}")
             arrays[(item, slot.target)] = array if mesh is not None else jnp.asarray(array, dtype=leaf.dtype)
         del leaves
-    fetch = lambda item, target: arrays.pop((item, target))  # noqa: E731
+
+    def fetch(item: str, target: str) -> jax.Array:
+        return arrays.pop((item, target))  # each piece dropped as soon as it is placed in the model
+
     if mesh is None:
         return assemble_model(abstract, fetch)
     by_path = leaf_shardings(abstract, mesh)
-    model = assemble_model(abstract, fetch,
-                           lambda pieces, leaf, key_path: stack_into(by_path[jax.tree_util.keystr(key_path)])(*pieces))
+
+    def stack(pieces: list, leaf: jax.ShapeDtypeStruct, key_path: tuple) -> jax.Array:
+        return stack_into(by_path[jax.tree_util.keystr(key_path)])(*pieces)
+
+    model = assemble_model(abstract, fetch, stack)
     enable_expert_parallelism(model, mesh)
     return model
 
