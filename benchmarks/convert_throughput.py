@@ -42,12 +42,13 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from k3jax.checkpoint.names import EXPERTS_PREFIX, abstract_items, release_name
+from k3jax.checkpoint.store import ItemStore, leaf_record, write_manifest
+from k3jax.checkpoint.transform import item_buffer_bytes, materialize_item
 from k3jax.config import K3Config
 from k3jax.convert import convert, converter
-from k3jax.convert.converter import _open_output, plan_conversion
-from k3jax.convert.plan import EXPERTS_PREFIX, abstract_items
-from k3jax.convert.store import ItemStore, leaf_record, write_manifest
-from k3jax.convert.transform import item_buffer_bytes, materialize_item
+from k3jax.convert.output import open_output
+from k3jax.convert.planned import plan_conversion
 from k3jax.model import K3Model
 
 GOLDEN_CONFIG = Path(__file__).resolve().parents[1] / "tests/golden/k3-tiny-a/config.json"
@@ -92,8 +93,7 @@ def write_synthetic_release(root: Path, config: dict, num_shards: int = 8, seed:
 
     for n, slots in enumerate(items):
         for slot, leaf in slots.items():
-            name = (f"language_model.model.layers.{slot.layer}.{slot.target}" if slot.layer is not None else
-                    "language_model." + (slot.target if slot.target.startswith("lm_head.") else f"model.{slot.target}"))
+            name = release_name(slot)
             shape = tuple(leaf.shape)
             if slot.target.startswith(EXPERTS_PREFIX):
                 num_experts, out, cols = shape
@@ -171,7 +171,7 @@ def stages(src: Path, out: Path, experts: str, cache: str) -> None:
     shutil.rmtree(out, ignore_errors=True)
     set_cache(src, cache)
     planned = stage("plan (config, headers, abstract model)", plan_conversion, src, experts=experts)
-    manifest = _open_output(out, planned, resume=False)
+    manifest = open_output(out, planned, resume=False)
     store = ItemStore(out)
     buffer = np.empty(max(item_buffer_bytes(item) for item in planned.plan.items), np.uint8)
     for item in planned.plan.items:

@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
+import jax
 import numpy as np
+
+from k3jax import distributed
+from k3jax.checkpoint.safetensors_index import CheckpointError
+from k3jax.config import ConfigError
+from k3jax.convert import convert, plan_conversion
+from k3jax.convert.report import device_bytes, format_device_bytes, format_release_plan
+from k3jax.demo import run_demo
+from k3jax.generate import generate
+from k3jax.memory_plan.command import add_plan_command, run_plan_command
+from k3jax.pretrained import from_pretrained
+from k3jax.tokenizer import load_tokenizer
+from k3jax.units import format_bytes
+
 
 def _parse_ids(text: str) -> list[int]:
     try:
@@ -20,26 +35,15 @@ def _parse_ids(text: str) -> list[int]:
 def _use_fake_cpu_devices(count: int = 8) -> None:
     """Without accelerators, give the CPU `count` devices so meshes work (before JAX starts its backend),
     and one OpenBLAS thread, since all of them call it at once."""
-    import os
-
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    import jax
-
     jax.config.update("jax_num_cpu_devices", count)
 
 
 def _run_generation(args: argparse.Namespace) -> int:
     """Stream the continuation of a prompt (text through the checkpoint's tokenizer, or --ids)."""
-    import jax
-
-    import k3jax
-    from k3jax.checkpoint import CheckpointError
-    from k3jax.config import ConfigError
-    from k3jax.tokenizer import load_tokenizer
-
     try:
         tokenizer = load_tokenizer(args.model)
-        model = k3jax.from_pretrained(args.model, dtype=args.dtype, mesh=args.mesh)
+        model = from_pretrained(args.model, dtype=args.dtype, mesh=args.mesh)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -67,7 +71,7 @@ def _run_generation(args: argparse.Namespace) -> int:
     print(args.prompt if args.ids is None else f"{ids} ->", end=" " if args.ids is not None else "", flush=True)
     start = time.perf_counter()
     stop = [model.config.eos_token_id] if model.config.eos_token_id is not None else []
-    k3jax.generate(model, np.asarray([ids], np.int32), max_new_tokens=args.max_new_tokens,
+    generate(model, np.asarray([ids], np.int32), max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                    stop_tokens=stop, on_token=on_token)
     print()
@@ -85,10 +89,6 @@ def _run_generation(args: argparse.Namespace) -> int:
 def _join_conversion_job() -> None:
     """Before JAX starts: join a multi-process job if the environment describes one, and give a CPU-only
     host 8 devices as `generate --mesh` does (JAX_NUM_CPU_DEVICES, when set, decides)."""
-    import os
-
-    from k3jax import distributed
-
     if "JAX_NUM_CPU_DEVICES" not in os.environ:
         _use_fake_cpu_devices()
     distributed.initialize()
@@ -96,11 +96,6 @@ def _join_conversion_job() -> None:
 
 def _run_convert(args: argparse.Namespace) -> int:
     """Plan (or convert); a bad release or output directory is a one-line error and exit status 1."""
-    from k3jax.checkpoint import CheckpointError
-    from k3jax.config import ConfigError
-    from k3jax.convert import convert, plan_conversion
-    from k3jax.convert.report import device_bytes, format_device_bytes, format_plan, human_bytes
-
     if args.out_dir is None and not args.plan_only:
         print("error: OUT_DIR is required unless --plan-only is given", file=sys.stderr)
         return 2
@@ -116,7 +111,7 @@ def _run_convert(args: argparse.Namespace) -> int:
                 except ValueError as err:
                     print(f"error: --mesh {args.mesh}: {err}", file=sys.stderr)
                     return 2
-            print(format_plan(planned.plan))
+            print(format_release_plan(planned.plan))
             if report is not None:
                 print(format_device_bytes(report))
             return 0
@@ -127,44 +122,8 @@ def _run_convert(args: argparse.Namespace) -> int:
         return 1
     if not args.quiet:
         print(f"converted {args.hf_dir} -> {result.out_dir}: {result.written} item(s) written, "
-              f"{result.skipped} already done, {human_bytes(result.nbytes)} in {result.seconds:.1f} s"
+              f"{result.skipped} already done, {format_bytes(result.nbytes)} in {result.seconds:.1f} s"
               + (", verified" if args.verify else ""))
-    return 0
-
-
-def _run_plan(args: argparse.Namespace) -> int:
-    """Memory plan on fake CPU devices. The device count must be set before JAX starts its backend, so
-    this runs before anything touches jax.devices() (see k3jax/plan.py `ensure_cpu_devices`)."""
-    import json
-
-    from k3jax import plan
-    from k3jax.config import ConfigError, K3Config
-
-    try:
-        hbm = plan.parse_bytes(args.hbm)
-        devices = plan.mesh_devices(args.mesh)
-        cfg = K3Config.from_hf(args.config)
-    except (ValueError, ConfigError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.layers is not None and not 1 < args.layers < cfg.num_hidden_layers:
-        args.layers = None  # nothing to extrapolate: compile the configured depth
-    experts = args.experts or ("bf16" if args.train else "mxfp4")
-    try:
-        plan.ensure_cpu_devices(devices)
-    except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    try:
-        result = plan.plan_memory(cfg, args.mesh, hbm, batch=args.batch, max_len=args.max_len, seq_len=args.seq_len,
-                                  train=args.train, layers=args.layers, experts=experts,
-                                  device_gemm=not args.cpu_ragged_dot)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(plan.format_plan(result))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result.to_dict(), indent=1))
     return 0
 
 
@@ -213,33 +172,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="commit items without waiting for the disk (faster where the disk is the limit; a "
                            "killed run still resumes exactly, a machine crash may need --resume --verify)")
 
-    pl = commands.add_parser("plan", help="per-device memory of prefill/decode (and a train step) on a mesh: FITS?")
-    pl.add_argument("--config", type=Path, required=True, help="config.json (HF release or configs/kimi_k3.json)")
-    pl.add_argument("--mesh", metavar="SPEC", required=True, help="explicit sizes, e.g. expert=64,tensor=8")
-    pl.add_argument("--hbm", default="141GB", help="memory per device: 141GB (H200), 95GB (TPU v5p)")
-    pl.add_argument("--batch", type=int, default=1)
-    pl.add_argument("--max-len", type=int, default=131072, help="cache capacity in tokens")
-    pl.add_argument("--seq-len", type=int, default=4096,
-                    help="prefill chunk (tokens per prefill call) and train sequence length")
-    pl.add_argument("--train", action="store_true", help="also a train step (cross-entropy + adamw; bf16 experts)")
-    pl.add_argument("--experts", choices=("mxfp4", "bf16"), default=None,
-                    help="routed expert storage (default mxfp4, bf16 with --train)")
-    pl.add_argument("--layers", type=int, default=None,
-                    help="compile at this reduced depth and one scanned group more, extrapolate to full depth")
-    pl.add_argument("--cpu-ragged-dot", action="store_true",
-                    help="keep the CPU lowering of the MoE grouped GEMMs (a dense per-expert expansion no GPU/TPU "
-                         "has) instead of the device-like stand-in")
-    pl.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
+    add_plan_command(commands)
 
     args = parser.parse_args(argv)
     if args.command == "plan":
-        return _run_plan(args)
+        return run_plan_command(args)
     if args.command == "convert":
         return _run_convert(args)
     if args.command == "demo":
         _use_fake_cpu_devices()
-        from k3jax.demo import run_demo
-
         return run_demo(prompt=args.prompt, max_new_tokens=args.max_new_tokens, mesh=args.mesh)
     if args.mesh is not None:
         _use_fake_cpu_devices()

@@ -1,11 +1,15 @@
 """`k3jax demo`: the whole user path on an embedded tiny K3, in well under two minutes on a laptop.
 
-1. write a tiny K3 (the golden checkpoint's config, seeded random weights) in the exact HF release
-   format, MXFP4 experts included;
+1. write a tiny K3 (the golden checkpoint's text config, `configs/k3_tiny.json`, stored in bfloat16
+   as the release is, with seeded random weights) in the Hugging Face release format, MXFP4 experts
+   included;
 2. convert it to per-layer Orbax checkpoints (`k3jax convert`);
 3. restore it sharded over a device mesh (8 CPU devices unless accelerators are present);
 4. generate from a text prompt (byte-level tokenizer: the tiny model has no tiktoken file), streaming
    tokens, and report tokens/s.
+
+The config ships inside the package (`k3jax/configs` is the repository's `configs/`, package data
+of the wheel), so the demo needs nothing but an installed k3jax.
 """
 
 from __future__ import annotations
@@ -13,28 +17,35 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from importlib import resources
 from pathlib import Path
 
+import jax
+import numpy as np
+
+from k3jax.checkpoint.release_writer import write_release
+from k3jax.convert import convert
+from k3jax.generate import generate
+from k3jax.pretrained import from_pretrained
+from k3jax.tokenizer import load_tokenizer
+
 DEMO_MESH = "data=2,expert=2,tensor=2"
-GOLDEN_TINY = Path(__file__).resolve().parents[1] / "tests" / "golden" / "k3-tiny-a"  # shipped with the repo
+
+
+def packaged_config(name: str) -> dict:
+    """A config shipped with k3jax (`configs/<name>.json`), e.g. "k3_tiny", "kimi_k3"."""
+    return json.loads(resources.files("k3jax").joinpath("configs", f"{name}.json").read_text())
 
 
 def run_demo(*, prompt: str = "Kimi K3 in JAX: ", max_new_tokens: int = 24, mesh: str | None = None,
              workdir: Path | None = None) -> int:
     """Run the four steps; `mesh` defaults to DEMO_MESH on 8 devices, else experts over all devices."""
-    import jax
-    import numpy as np
-
-    import k3jax
-    from k3jax.checkpoint.release_writer import write_release
-    from k3jax.convert import convert
-    from k3jax.tokenizer import load_tokenizer
-
     mesh = mesh or (DEMO_MESH if jax.device_count() == 8 else "expert=-1")
+    config = packaged_config("k3_tiny") | {"dtype": "bfloat16"}
 
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         start = time.perf_counter()
-        release = write_release(Path(tmp) / "release", json.loads((GOLDEN_TINY / "config.json").read_text()), seed=0, std=0.5)
+        release = write_release(Path(tmp) / "release", config, seed=0, std=0.5)
         print(f"1. wrote a tiny K3 in the release format: {release} ({time.perf_counter() - start:.1f} s)")
 
         start = time.perf_counter()
@@ -42,7 +53,7 @@ def run_demo(*, prompt: str = "Kimi K3 in JAX: ", max_new_tokens: int = 24, mesh
         print(f"2. converted to Orbax: {converted} ({time.perf_counter() - start:.1f} s)")
 
         start = time.perf_counter()
-        model = k3jax.from_pretrained(converted, dtype="bfloat16", mesh=mesh)
+        model = from_pretrained(converted, dtype="bfloat16", mesh=mesh)
         devices = jax.devices()
         print(f"3. restored over mesh {mesh} on {len(devices)} {devices[0].platform} devices "
               f"({time.perf_counter() - start:.1f} s)")
@@ -50,14 +61,15 @@ def run_demo(*, prompt: str = "Kimi K3 in JAX: ", max_new_tokens: int = 24, mesh
         tokenizer = load_tokenizer(release)
         ids = np.asarray([tokenizer.encode(prompt)], np.int32)
         print(f"4. prompt {prompt!r} -> {ids.shape[1]} tokens; generating {max_new_tokens}:")
-        k3jax.generate(model, ids, max_new_tokens=max_new_tokens, on_token=lambda tokens: None)  # compile first
+        generate(model, ids, max_new_tokens=max_new_tokens, on_token=lambda tokens: None)  # compile first
         streamed: list[int] = []
         start = time.perf_counter()
-        new = k3jax.generate(model, ids, max_new_tokens=max_new_tokens,
-                             on_token=lambda tokens: streamed.append(int(tokens[0])))
+        new = generate(model, ids, max_new_tokens=max_new_tokens,
+                       on_token=lambda tokens: streamed.append(int(tokens[0])))
         elapsed = time.perf_counter() - start
         new_ids = np.asarray(new)[0].tolist()
-        assert new_ids == streamed, "the streamed tokens must be the returned ones"
+        if new_ids != streamed:
+            raise AssertionError(f"the streamed tokens {streamed} must be the returned ones {new_ids}")
         print(f"   ids:  {new_ids}")
         print(f"   text: {tokenizer.decode(new_ids)!r} (random weights: the text is noise)")
         print(f"   {max_new_tokens / elapsed:.1f} tokens/s (batch 1, streamed, compiled)")

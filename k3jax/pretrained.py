@@ -2,28 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from jax.sharding import Mesh
 
-from k3jax.checkpoint.hf_loader import load_hf_model
-from k3jax.convert import is_converted, load_converted
+from k3jax.checkpoint.store import is_converted
+from k3jax.kernels import Kernels
+from k3jax.load import load_converted, load_hf_model
 from k3jax.model import K3Model
 
 _DTYPES = ("bfloat16", "float32")
 
 
 def from_pretrained(
-    path: str | Path, *, dtype: str = "bfloat16", moe_implementation: str = "auto", mesh: str | Mesh | None = None,
-    experts: str | None = None,
+    path: str | Path, *, dtype: str = "bfloat16", mesh: str | Mesh | None = None,
+    kernels: Kernels | Mapping[str, str | None] | None = None, experts: str | None = None,
 ) -> K3Model:
     """Load a Hugging Face K3 release directory (config.json, safetensors index and shards), or a
     directory written by `k3jax convert` (recognised by its manifest; it must be COMPLETE).
 
     `dtype` is the storage and activation dtype of the bf16 tensors (fp32 tensors such as the KDA
     state parameters and the router bias stay fp32). `mesh` ("expert=4,tensor=2", a Mesh, or None for
-    one device) places every parameter by `sharding.DEFAULT_RULES`; jitted calls then run partitioned.
-    A converted directory is restored straight into those shardings (no host copy of the model).
+    one device) places every parameter by `sharding.DEFAULT_RULES` as it is read (a release: each
+    device reads its own slices; a converted directory: restored straight into the shardings); jitted
+    calls then run partitioned.
+
+    `kernels` chooses each op's implementation (`k3jax.kernels.Kernels`, or a mapping such as
+    `{"moe": "xla"}`); None fields follow the platform's policy.
 
     `experts`: "mxfp4" keeps the routed experts MXFP4-packed (uint8 codes + E8M0 scales, 4.25 bits per
     weight, decoded on the fly before the expert GEMMs; same logits), "bf16" decodes them into the
@@ -32,17 +38,10 @@ def from_pretrained(
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {_DTYPES}")
+    kernels = Kernels.of(kernels)
     root = Path(path)
     if is_converted(root):
-        return load_converted(root, dtype=dtype, experts=experts, moe_implementation=moe_implementation, mesh=mesh)
+        return load_converted(root, dtype=dtype, experts=experts, kernels=kernels, mesh=mesh)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{root} has no config.json; expected a Hugging Face release directory")
-    return _place(load_hf_model(root, dtype=dtype, moe_implementation=moe_implementation, experts=experts), mesh)
-
-
-def _place(model: K3Model, mesh: str | Mesh | None) -> K3Model:
-    if mesh is None:
-        return model
-    from sharding import make_mesh, shard_model  # here, not at the top: sharding imports k3jax.model
-
-    return shard_model(model, make_mesh(mesh))
+    return load_hf_model(root, dtype=dtype, experts=experts, kernels=kernels, mesh=mesh)

@@ -26,6 +26,10 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+import tiktoken
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 # Moonshot's pre-tokenizer split (tokenization_kimi.py), in tiktoken's regex dialect.
 KIMI_PAT_STR = "|".join([
     r"""[\p{Han}]+""",
@@ -75,8 +79,6 @@ class _ChatTemplateMixin:
         """The chat template applied to messages (HF conventions: trim_blocks, lstrip_blocks, sandboxed)."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
@@ -104,8 +106,6 @@ class TiktokenTokenizer(_ChatTemplateMixin):
         bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None,
         unk_token: str | None = None, chat_template: str | None = None, name: str = "kimi",
     ) -> None:
-        import tiktoken
-
         self.encoding = tiktoken.Encoding(
             name=name, pat_str=pat_str, mergeable_ranks=dict(ranks), special_tokens=dict(special_tokens)
         )

@@ -1,4 +1,11 @@
-"""Reading Hugging Face release checkpoints (safetensors headers, MXFP4 experts) without torch."""
+"""The checkpoint formats on disk, below everything that builds models or conversions from them.
+
+A Hugging Face release, read without torch: shard headers and byte ranges (`safetensors_index`),
+release tensor names <-> model leaves (`names`), the plan of every leaf from the headers (`plan`),
+the one transform that makes a leaf's array (`transform`, `region` for one device's slice of it),
+and a writer of random releases (`release_writer`). A converted directory: per-item Orbax
+checkpoints, manifest, checksums and the COMPLETE marker (`store`, `checksum`).
+"""
 
 from k3jax.checkpoint.mxfp4 import decode_mxfp4, decode_mxfp4_jax, encode_mxfp4
 from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex, TensorInfo

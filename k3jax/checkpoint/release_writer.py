@@ -16,14 +16,9 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from k3jax.checkpoint.mxfp4 import encode_mxfp4
+from k3jax.checkpoint.names import EXPERTS_PREFIX, MXFP4_SUFFIXES, abstract_items, release_name
 from k3jax.config import K3Config
-from k3jax.convert.plan import EXPERTS_PREFIX, abstract_items, source_name
 from k3jax.model import K3Model
-
-
-def release_name(slot) -> str:
-    """The release tensor name of a plan slot (a model leaf of one layer, or of the embed/head items)."""
-    return "language_model." + source_name(slot)
 
 
 def write_release(root: Path, config: dict, *, seed: int = 0, num_shards: int = 2, std: float = 0.02) -> Path:
@@ -31,7 +26,7 @@ def write_release(root: Path, config: dict, *, seed: int = 0, num_shards: int = 
     root.mkdir(parents=True)
     (root / "config.json").write_text(json.dumps(config, indent=1))
     cfg = K3Config.from_hf(config)
-    abstract = nnx.eval_shape(lambda: K3Model.init(cfg))
+    abstract = nnx.eval_shape(lambda: K3Model.init(cfg))  # shapes and dtypes only
     rng = np.random.default_rng(seed)
     random = lambda shape, dtype: (std * rng.standard_normal(shape, dtype=np.float32)).astype(dtype)  # noqa: E731
     shards: list[dict[str, np.ndarray]] = [{} for _ in range(num_shards)]
@@ -44,8 +39,8 @@ def write_release(root: Path, config: dict, *, seed: int = 0, num_shards: int = 
                 base = name.removesuffix(slot.target) + EXPERTS_PREFIX
                 projection = slot.target.removeprefix(EXPERTS_PREFIX)
                 for e in range(leaf.shape[0]):
-                    tensors[f"{base}{e}.{projection}.weight_packed"] = packed[e]
-                    tensors[f"{base}{e}.{projection}.weight_scale"] = scale[e]
+                    for suffix, array in zip(MXFP4_SUFFIXES, (packed, scale)):
+                        tensors[f"{base}{e}.{projection}{suffix}"] = array[e]
             elif slot.target == "self_attn.A_log":  # log U(1, 16) per head, padded like the release
                 a_log = np.log(rng.uniform(1.0, 16.0, leaf.shape)).astype(np.float32)
                 tensors[name] = np.pad(a_log, (0, cfg.kda_head_dim - leaf.shape[0]))

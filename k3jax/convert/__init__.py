@@ -1,11 +1,15 @@
-"""HF release -> per-layer Orbax checkpoint conversion, and loading of converted directories.
+"""HF release -> per-layer Orbax checkpoint conversion (the directory's format: `k3jax.checkpoint.store`).
 
     k3jax.convert.convert("Kimi-K3", "Kimi-K3-orbax", dtype="bfloat16", verify=True)
     model = k3jax.from_pretrained("Kimi-K3-orbax")   # detects the converted layout
+
+Planned from headers first (`planned`), written by one process (`converter`) or by every process of
+a mesh, each its own slices (`sharded`), into an output directory that resumes after a kill and
+is verified on request (`output`, `verify`); `--plan-only` prints `report`.
 """
 
-from k3jax.convert.converter import ConvertResult, convert, plan_conversion
-from k3jax.convert.load import load_converted
-from k3jax.convert.store import is_converted
+from k3jax.convert.converter import convert
+from k3jax.convert.output import ConvertResult
+from k3jax.convert.planned import PlannedConversion, plan_conversion
 
-__all__ = ["ConvertResult", "convert", "is_converted", "load_converted", "plan_conversion"]
+__all__ = ["ConvertResult", "PlannedConversion", "convert", "plan_conversion"]

@@ -1,21 +1,14 @@
-"""`convert`: a Hugging Face K3 release directory -> per-layer Orbax items (layout in `store`).
+"""`convert`: a Hugging Face K3 release directory -> per-layer Orbax items (layout in `checkpoint.store`).
 
-The plan is built and checked from headers first, so a broken release fails before anything is
-written. Items are then made and written one at a time, the next one read while the current one is
-written — peak host memory is about two items (the largest decoder layer or embedding table) — and
-each is committed to the manifest only once it is fully on disk, which is what makes `resume` safe after a kill.
-COMPLETE is written last, after the optional verification, so a failed or interrupted run never
-looks finished.
-
-Routed experts: `experts="mxfp4"` keeps the release's packed codes and scales (4.25 bits per
-weight; the model decodes them on the fly), `experts="bf16"` decodes them to bfloat16 at conversion,
-None picks "mxfp4" for a release whose experts are all MXFP4 and the model dtype otherwise.
+The plan is built and checked from headers first (`planned`), so a broken release fails before
+anything is written. On one host, items are then made and written one at a time, the next one read
+while the current one is written — peak host memory is about two items (the largest decoder layer or
+embedding table) — and each is committed to the manifest only once it is fully on disk, which is
+what makes `resume` safe after a kill. With a mesh, `sharded` does the same with shard-local reads.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,59 +18,12 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex
-from k3jax.config import K3Config
-from k3jax.convert.plan import ConversionPlan, abstract_model, build_plan, source_experts_are_mxfp4
-from k3jax.convert.store import (
-    CHECKSUM, COMPLETE, FORMAT, MANIFEST, VERSION, ItemStore, leaf_record, mark_complete, read_manifest,
-    write_manifest,
-)
-from k3jax.convert.transform import item_buffer_bytes, materialize_item
-from k3jax.convert.verify import LOGITS_CHECK_MAX_BYTES, check_logits, find_bad_items
-from k3jax.model import K3Model
-
-DTYPES = ("bfloat16", "float32")
-EXPERT_FORMATS = ("mxfp4", "bf16")
-
-
-@dataclasses.dataclass(frozen=True)
-class PlannedConversion:
-    """Everything known before any tensor data is read."""
-
-    hf_dir: Path
-    index: CheckpointIndex
-    abstract: K3Model
-    plan: ConversionPlan
-    settings: dict  # what a resumed run must agree on
-
-
-@dataclasses.dataclass(frozen=True)
-class ConvertResult:
-    out_dir: Path
-    written: int  # items written by this call
-    skipped: int  # items already committed by an earlier, interrupted call
-    nbytes: int  # size of the whole converted model
-    seconds: float
-
-
-def plan_conversion(hf_dir: str | Path, *, dtype: str = "bfloat16", experts: str | None = None) -> PlannedConversion:
-    """Read config and shard headers and check the full leaf table against the abstract model."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: expected one of {DTYPES}")
-    if experts is not None and experts not in EXPERT_FORMATS:
-        raise ValueError(f"experts={experts!r}: expected one of {EXPERT_FORMATS} or None")
-    hf_dir = Path(hf_dir)
-    cfg = K3Config.from_hf(hf_dir, dtype=dtype)
-    index = CheckpointIndex.open(hf_dir)
-    if experts is None and source_experts_are_mxfp4(index):
-        experts = "mxfp4"
-    abstract = abstract_model(cfg, packed_experts=experts == "mxfp4")
-    plan = build_plan(index, abstract, experts_dtype="bfloat16" if experts == "bf16" else None)
-    settings = {
-        "dtype": dtype, "experts": experts, "plan_fingerprint": plan.fingerprint,
-        "config_sha256": hashlib.sha256((hf_dir / "config.json").read_bytes()).hexdigest(),
-    }
-    return PlannedConversion(hf_dir, index, abstract, plan, settings)
+from k3jax.checkpoint.plan import ReleasePlan
+from k3jax.checkpoint.store import ItemStore, leaf_record, mark_complete, write_manifest
+from k3jax.checkpoint.transform import item_buffer_bytes, materialize_item
+from k3jax.convert.output import ConvertResult, open_output, verify_output
+from k3jax.convert.planned import plan_conversion
+from k3jax.convert.sharded import convert_sharded
 
 
 def convert(
@@ -96,14 +42,12 @@ def convert(
     With `mesh` ("expert=8" or a Mesh, over every process's devices) each process reads and writes
     only its devices' slices (`sharded`); the output is the same."""
     if mesh is not None:
-        from k3jax.convert.sharded import convert_sharded  # noqa: PLC0415 (it builds on this module)
-
         return convert_sharded(hf_dir, out_dir, mesh=mesh, dtype=dtype, experts=experts, resume=resume,
                                verify=verify, progress=progress)
     start = time.perf_counter()
     planned = plan_conversion(hf_dir, dtype=dtype, experts=experts)
     root = Path(out_dir)
-    manifest = _open_output(root, planned, resume)
+    manifest = open_output(root, planned, resume)
     store = ItemStore(root)
     store.remove_all_but(set(manifest["items"]))
     todo = [item for item in planned.plan.items if item.name not in manifest["items"]]
@@ -153,7 +97,7 @@ def convert(
         if committed is not None:
             committed.result()
     if verify:
-        _verify(root, store, planned, manifest)
+        verify_output(root, store, planned, manifest)
     mark_complete(root)
     return ConvertResult(root, len(todo), len(planned.plan.items) - len(todo), planned.plan.nbytes,
                          time.perf_counter() - start)
@@ -163,7 +107,7 @@ def _leaf_records(leaves: dict) -> dict:
     return {name: leaf_record(array) for name, array in leaves.items()}
 
 
-def _may_read_ahead(plan: ConversionPlan) -> bool:
+def _may_read_ahead(plan: ReleasePlan) -> bool:
     """Read the next item while writing one only if two of the largest items fit comfortably in RAM
     (a full-size layer is 15.8 GiB with MXFP4 experts, ~59 GiB with bf16 ones)."""
     try:
@@ -171,43 +115,3 @@ def _may_read_ahead(plan: ConversionPlan) -> bool:
     except (ValueError, OSError, AttributeError):
         return False
     return 4 * max(item.nbytes for item in plan.items) <= physical
-
-
-def _open_output(root: Path, planned: PlannedConversion, resume: bool) -> dict:
-    """A fresh manifest for an empty or new directory, or the one to resume after checking it matches."""
-    if root.exists() and any(root.iterdir()):
-        if not resume:
-            raise CheckpointError(f"{root} is not empty; pass --resume to continue a conversion there, "
-                                  "or choose a new directory")
-        if not (root / MANIFEST).is_file():
-            raise CheckpointError(f"{root} is not empty and has no {MANIFEST}: there is no conversion to resume")
-        manifest = read_manifest(root)
-        for key, value in planned.settings.items():
-            if manifest.get(key) != value:
-                raise CheckpointError(
-                    f"{root} was started with {key}={manifest.get(key)!r} but this run has {value!r} "
-                    "(different source checkpoint or options); use a new directory"
-                )
-    else:
-        root.mkdir(parents=True, exist_ok=True)
-        manifest = {"format": FORMAT, "version": VERSION, "checksum": CHECKSUM, **planned.settings,
-                    "source": str(planned.hf_dir.resolve()), "items": {}}
-        write_manifest(root, manifest)
-    (root / "config.json").write_bytes((planned.hf_dir / "config.json").read_bytes())
-    return manifest
-
-
-def _verify(root: Path, store: ItemStore, planned: PlannedConversion, manifest: dict) -> None:
-    """Drop failing items from the manifest (so `--resume` rewrites them) and fail; else check logits."""
-    bad = find_bad_items(store, planned.plan, planned.index, manifest)
-    if bad:
-        for name in bad:
-            manifest["items"].pop(name, None)
-        (root / COMPLETE).unlink(missing_ok=True)
-        write_manifest(root, manifest)
-        store.remove_all_but(set(manifest["items"]))
-        details = "; ".join(f"{name}: {why}" for name, why in bad.items())
-        raise CheckpointError(f"verification of {root} failed for {len(bad)} item(s), removed so that "
-                              f"--resume rewrites them: {details}")
-    if planned.plan.nbytes <= LOGITS_CHECK_MAX_BYTES:
-        check_logits(root, manifest, planned.abstract.config, planned.index)

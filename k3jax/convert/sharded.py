@@ -1,11 +1,11 @@
 """`convert(..., mesh=...)`: every process reads and writes only its own devices' slices.
 
 Each item's leaves are built as global jax.Arrays with `jax.make_array_from_callback`, in the
-NamedShardings that `from_pretrained(OUT, mesh=...)` restores into (`load.slot_shardings`, i.e.
-`sharding.param_shardings` by DEFAULT_RULES). The callback of a device reads only its slice's
-source bytes (`region`: an expert-sharded leaf opens only its experts' tensors, a row-split leaf
-reads only its rows), and one process reads each read box once, however many of its devices share
-it. Orbax then writes each process's addressable shards. So in one process the bytes read are the
+NamedShardings that `from_pretrained(OUT, mesh=...)` restores into (`load.placement.slot_shardings`,
+i.e. `sharding.param_shardings` by DEFAULT_RULES). The callback of a device reads only its slice's
+source bytes (`checkpoint.region.leaf_array`: an expert-sharded leaf opens only its experts' tensors,
+a row-split leaf reads only its rows), and one process reads each read box once, however many of its
+devices share it. Orbax then writes each process's addressable shards. So in one process the bytes read are the
 source bytes exactly, whatever the mesh; with several processes a leaf that is replicated (or split
 only along inner dimensions) across processes is read by each process that holds it.
 
@@ -37,29 +37,18 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from tqdm import tqdm
 
-from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex
-from k3jax.convert.load import slot_shardings
-from k3jax.convert.plan import LeafPlan
-from k3jax.convert.region import in_box, read_box, read_box_of
-from k3jax.convert.store import ItemStore, _nest, leaf_record, mark_complete, read_manifest, write_manifest
+from k3jax.checkpoint.region import leaf_array
+from k3jax.checkpoint.safetensors_index import CheckpointError
+from k3jax.checkpoint.store import ItemStore, leaf_record, mark_complete, nest, read_manifest, write_manifest
+from k3jax.convert.output import ConvertResult, open_output, verify_output
+from k3jax.convert.planned import plan_conversion
+from k3jax.load.placement import slot_shardings
+from sharding import make_mesh
 
 T = TypeVar("T")
-
-
-def leaf_array(leaf: LeafPlan, index: CheckpointIndex, sharding: NamedSharding) -> jax.Array:
-    """The leaf as a global array in `sharding`; this process reads only its devices' read boxes, once each."""
-    boxes: dict = {}
-
-    def callback(region: tuple[slice, ...]) -> np.ndarray:
-        box = read_box_of(leaf, region)
-        if box not in boxes:
-            boxes[box] = read_box(leaf, index, box)
-        return in_box(boxes[box], leaf, box, region)
-
-    return jax.make_array_from_callback(leaf.shape, sharding, callback)
 
 
 def host_copy(array: jax.Array) -> np.ndarray:
@@ -79,11 +68,8 @@ def _record(array: jax.Array) -> dict | None:
 def convert_sharded(
     hf_dir: str | Path, out_dir: str | Path, *, mesh: str | Mesh, dtype: str = "bfloat16",
     experts: str | None = None, resume: bool = False, verify: bool = False, progress: bool = True,
-):
+) -> ConvertResult:
     """`converter.convert` with shard-local reads on `mesh` (a spec such as "expert=8" or a Mesh)."""
-    from k3jax.convert.converter import ConvertResult, _open_output, _verify, plan_conversion  # noqa: PLC0415
-    from sharding import make_mesh  # noqa: PLC0415 (sharding imports k3jax.model)
-
     if verify and jax.process_count() > 1:
         raise CheckpointError(f"--verify reads the whole conversion back in one process; convert with "
                               f"{jax.process_count()} processes without it, then run `k3jax convert {hf_dir} "
@@ -95,11 +81,11 @@ def convert_sharded(
     root = Path(out_dir)
     store = ItemStore(root)
 
-    def open_output() -> None:
-        manifest = _open_output(root, planned, resume)
+    def open_dir() -> None:
+        manifest = open_output(root, planned, resume)
         store.remove_all_but(set(manifest["items"]))
 
-    _on_process_zero(f"open the output directory {root}", open_output)
+    _on_process_zero(f"open the output directory {root}", open_dir)
     manifest = read_manifest(root)
     todo = [item for item in planned.plan.items if item.name not in manifest["items"]]
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))  # as ItemStore's
@@ -117,7 +103,7 @@ def convert_sharded(
             del leaves
             bar.update(item.nbytes)
     if verify:
-        _verify(root, store, planned, manifest)
+        verify_output(root, store, planned, manifest)
     _on_process_zero(f"mark {root} complete", lambda: mark_complete(root))
     return ConvertResult(root, len(todo), len(planned.plan.items) - len(todo), planned.plan.nbytes,
                          time.perf_counter() - start)
@@ -133,7 +119,7 @@ def _save(store: ItemStore, checkpointer: ocp.Checkpointer, item: str, leaves: d
             shutil.rmtree(tmp)
 
     _on_process_zero(f"prepare {tmp}", clear)
-    checkpointer.save(tmp, _nest(leaves))
+    checkpointer.save(tmp, nest(leaves))
     _on_process_zero(f"rename {tmp}", lambda: os.rename(tmp, store.path(item)))
 
 

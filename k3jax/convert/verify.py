@@ -14,18 +14,19 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.checkpoint.plan import ReleasePlan
 from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex
-from k3jax.convert.assemble import assemble_model
-from k3jax.convert.load import load_items
-from k3jax.convert.plan import ConversionPlan, abstract_model, build_plan
-from k3jax.convert.store import CHECKSUM, ItemStore, leaf_record
-from k3jax.convert.transform import materialize
+from k3jax.checkpoint.store import CHECKSUM, ItemStore, leaf_record
+from k3jax.checkpoint.transform import materialize
+from k3jax.config import K3Config
+from k3jax.load.converted import load_items
+from k3jax.load.release import release_model
 
 LOGITS_CHECK_MAX_BYTES = 1 << 30
 _NUM_TOKENS = 8
 
 
-def find_bad_items(store: ItemStore, plan: ConversionPlan, index: CheckpointIndex, manifest: dict) -> dict[str, str]:
+def find_bad_items(store: ItemStore, plan: ReleasePlan, index: CheckpointIndex, manifest: dict) -> dict[str, str]:
     """Item name -> what is wrong with it, for every item whose leaves do not all match the source."""
     bad: dict[str, str] = {}
     for item in plan.items:
@@ -54,11 +55,9 @@ def _short(record: dict | None) -> str:
     return f"{record['dtype']}{record['shape']} {CHECKSUM} {record.get(CHECKSUM)}"
 
 
-def check_logits(out_dir: Path, manifest: dict, cfg, index: CheckpointIndex) -> None:
+def check_logits(out_dir: Path, manifest: dict, cfg: K3Config, index: CheckpointIndex) -> None:
     """Logits of the converted model == logits of the model built directly from the source (dense experts)."""
-    abstract = abstract_model(cfg)
-    plan = build_plan(index, abstract)
-    direct = assemble_model(abstract, lambda item, target: materialize(plan.item(item).leaf(target), index))
+    direct = release_model(index, cfg)
     converted = load_items(out_dir, manifest, dtype=cfg.dtype)
     vocab = cfg.vocab_size
     ids = jnp.asarray([[(7919 * i + 1) % vocab for i in range(_NUM_TOKENS)]], jnp.int32)

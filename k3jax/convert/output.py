@@ -1,0 +1,74 @@
+"""The output directory of a conversion, shared by the single-process and the sharded converter:
+opening it (fresh, or resumed after checking it is the same conversion) and verifying it.
+
+Layout and atomicity: `checkpoint.store`. COMPLETE is written last, after the optional
+verification, so a failed or interrupted run never looks finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from k3jax.checkpoint.safetensors_index import CheckpointError
+from k3jax.checkpoint.store import (
+    CHECKSUM,
+    COMPLETE,
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    ItemStore,
+    read_manifest,
+    write_manifest,
+)
+from k3jax.convert.planned import PlannedConversion
+from k3jax.convert.verify import LOGITS_CHECK_MAX_BYTES, check_logits, find_bad_items
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertResult:
+    out_dir: Path
+    written: int  # items written by this call
+    skipped: int  # items already committed by an earlier, interrupted call
+    nbytes: int  # size of the whole converted model
+    seconds: float
+
+
+def open_output(root: Path, planned: PlannedConversion, resume: bool) -> dict:
+    """A fresh manifest for an empty or new directory, or the one to resume after checking it matches."""
+    if root.exists() and any(root.iterdir()):
+        if not resume:
+            raise CheckpointError(f"{root} is not empty; pass --resume to continue a conversion there, "
+                                  "or choose a new directory")
+        if not (root / MANIFEST).is_file():
+            raise CheckpointError(f"{root} is not empty and has no {MANIFEST}: there is no conversion to resume")
+        manifest = read_manifest(root)
+        for key, value in planned.settings.items():
+            if manifest.get(key) != value:
+                raise CheckpointError(
+                    f"{root} was started with {key}={manifest.get(key)!r} but this run has {value!r} "
+                    "(different source checkpoint or options); use a new directory"
+                )
+    else:
+        root.mkdir(parents=True, exist_ok=True)
+        manifest = {"format": FORMAT, "version": VERSION, "checksum": CHECKSUM, **planned.settings,
+                    "source": str(planned.hf_dir.resolve()), "items": {}}
+        write_manifest(root, manifest)
+    (root / "config.json").write_bytes((planned.hf_dir / "config.json").read_bytes())
+    return manifest
+
+
+def verify_output(root: Path, store: ItemStore, planned: PlannedConversion, manifest: dict) -> None:
+    """Drop failing items from the manifest (so `--resume` rewrites them) and fail; else check logits."""
+    bad = find_bad_items(store, planned.plan, planned.index, manifest)
+    if bad:
+        for name in bad:
+            manifest["items"].pop(name, None)
+        (root / COMPLETE).unlink(missing_ok=True)
+        write_manifest(root, manifest)
+        store.remove_all_but(set(manifest["items"]))
+        details = "; ".join(f"{name}: {why}" for name, why in bad.items())
+        raise CheckpointError(f"verification of {root} failed for {len(bad)} item(s), removed so that "
+                              f"--resume rewrites them: {details}")
+    if planned.plan.nbytes <= LOGITS_CHECK_MAX_BYTES:
+        check_logits(root, manifest, planned.abstract.config, planned.index)

@@ -1,0 +1,70 @@
+"""Where a model being loaded goes on a mesh: each leaf's NamedSharding and each per-layer piece's.
+
+Shardings are `sharding.param_shardings` (DEFAULT_RULES) of the abstract model, so a model loaded
+onto a mesh is placed exactly as `sharding.shard_model` places one. A scan-group leaf [G, ...] is
+split by its spec; its per-layer pieces take that spec without the leading `layers` entry (which the
+rules never split), so each piece can be read or restored straight into place and the pieces
+stacked on device into the group leaf's sharding. `spec_mesh` describes a mesh from its spec
+alone, for planning on devices one does not have.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from k3jax.checkpoint.names import model_slots, path_names
+from k3jax.model import K3Model
+from sharding import MESH_AXES, param_shardings
+from sharding.mesh import parse_mesh_spec
+
+
+def leaf_shardings(abstract: K3Model, mesh: Mesh) -> dict[str, NamedSharding]:
+    """`jax.tree_util.keystr` of every model leaf's key path -> its NamedSharding."""
+    leaves = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    shardings = jax.tree.leaves(param_shardings(abstract, mesh))
+    if len(leaves) != len(shardings):
+        raise AssertionError("param_shardings does not mirror the model's leaves")
+    return {jax.tree_util.keystr(key_path): sharding for (key_path, _), sharding in zip(leaves, shardings)}
+
+
+def slot_shardings(abstract: K3Model, mesh: Mesh) -> dict[tuple[str, str], NamedSharding]:
+    """(item, leaf) -> the NamedSharding of that per-layer piece."""
+    found = {}
+    by_path = leaf_shardings(abstract, mesh)
+    for key_path, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        sharding, path = by_path[jax.tree_util.keystr(key_path)], path_names(key_path)
+        if path[0] == "group_layers":
+            sharding = NamedSharding(mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+        for slot in model_slots(path, abstract.plan):
+            found[(slot.item, slot.target)] = sharding
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def stack_into(sharding: NamedSharding):
+    """A jitted stack of per-layer pieces straight into `sharding` (one per sharding; recompiled per shape)."""
+    return jax.jit(lambda *pieces: jnp.stack(pieces), out_shardings=sharding)
+
+
+def spec_device_count(spec: str) -> int | None:
+    """The device count a mesh spec names with explicit sizes ("expert=8,tensor=4" -> 32), or None when
+    a -1 axis leaves it to the devices present. The spec itself is checked by `parse_mesh_spec`."""
+    sizes = [part.partition("=")[2].strip() for part in spec.split(",")]
+    if "-1" in sizes:
+        return None
+    return math.prod(int(size) for size in sizes if size.isdigit())
+
+
+def spec_mesh(spec: str, num_devices: int | None = None) -> AbstractMesh:
+    """The mesh `spec` describes, with no devices: explicit sizes, or a -1 axis that takes the rest of
+    `num_devices` (default: this process's device count)."""
+    count = spec_device_count(spec)
+    if count is None:
+        count = jax.device_count() if num_devices is None else num_devices
+    sizes = parse_mesh_spec(spec, count)
+    return AbstractMesh(tuple(sizes[axis] for axis in MESH_AXES), MESH_AXES)

@@ -1,0 +1,37 @@
+"""Fake CPU devices shaped like the planned mesh.
+
+Compiling for a mesh needs as many devices as it has, and a CPU backend gets its device count once,
+when JAX creates it: `ensure_cpu_devices` must run before anything asks JAX for devices (the
+`k3jax plan` command calls it first thing). In a process whose backend already exists it raises and
+says to run a fresh one or set XLA_FLAGS=--xla_force_host_platform_device_count=N.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from k3jax.load.placement import spec_device_count, spec_mesh
+
+
+def mesh_device_count(spec: str) -> int:
+    """Devices a mesh spec with explicit sizes names ("expert=8,tensor=4" -> 32); -1 is not allowed here,
+    since the planner creates the devices."""
+    count = spec_device_count(spec)
+    if count is None:
+        raise ValueError(f"mesh spec {spec!r}: the planner needs explicit axis sizes (no -1)")
+    return spec_mesh(spec).size  # checks the spec (axes, sizes) without touching JAX's backend
+
+
+def ensure_cpu_devices(n: int) -> None:
+    """Make this process's JAX backend CPU with at least `n` devices; must run before JAX initialises."""
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError as err:  # the backend already exists
+        if len(jax.devices()) < n:
+            raise RuntimeError(
+                f"the mesh needs {n} devices but JAX is already initialised with {len(jax.devices())}; run the "
+                f"planner in a fresh process or set XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+            ) from err
+    if len(jax.devices()) < n:
+        raise RuntimeError(f"asked for {n} CPU devices, JAX has {len(jax.devices())}")

@@ -1,0 +1,57 @@
+"""Two JAX processes convert one release jointly: `k3jax convert --mesh` under a localhost coordinator.
+
+Each process has 4 CPU devices (JAX_NUM_CPU_DEVICES) and joins the job through the K3JAX_* variables
+(`k3jax.distributed.initialize`); cross-process collectives on CPU go through gloo, JAX's default.
+The mesh spans all 8 devices, so each process reads and writes half of every expert leaf, and
+checksums need the all-gather path. The result must be the single-host conversion, and a single process
+`--resume --verify` (verification reads everything back, so it is not a multi-process step) passes on it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+
+import jax
+import numpy as np
+
+import k3jax
+from k3jax.checkpoint.store import COMPLETE, ITEMS, MANIFEST
+from k3jax.cli import main
+from tests.k3jax.convert.conftest import k3jax_command, subprocess_env
+
+MESH = "expert=4,tensor=2"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_write_the_single_host_conversion(tmp_path, golden_dir, converted_fp32):
+    out, port = tmp_path / "out", _free_port()
+    command = k3jax_command("convert", golden_dir, out, "--dtype", "float32", "--mesh", MESH, "--quiet")
+    procs = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={
+            **subprocess_env(), "JAX_NUM_CPU_DEVICES": "4", "K3JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+            "K3JAX_NUM_PROCESSES": "2", "K3JAX_PROCESS_ID": str(rank)})
+        for rank in range(2)
+    ]
+    try:
+        logs = [proc.communicate(timeout=600)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"process {rank} failed:\n{log[-3000:]}"
+    assert (out / COMPLETE).is_file()
+    assert all((item / "ocdbt.process_1").is_dir() for item in (out / ITEMS).iterdir())  # every process took part in every save
+    written = json.loads((out / MANIFEST).read_text())["items"]
+    assert written == json.loads((converted_fp32 / MANIFEST).read_text())["items"]
+    assert main(["convert", str(golden_dir), str(out), "--dtype", "float32", "--resume", "--verify", "--quiet"]) == 0
+    # written by two processes, restored by one onto another layout of 8 devices
+    restored = k3jax.from_pretrained(out, dtype="float32", mesh="expert=2,tensor=2,data=2")
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(k3jax.from_pretrained(converted_fp32, dtype="float32"))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
