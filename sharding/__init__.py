@@ -9,14 +9,14 @@ call once `shard_model` / `enable_expert_parallelism` has given them the mesh.
 """
 
 from sharding.expert_parallel import ep_routed_experts
-from sharding.mesh import DEFAULT_SPEC, MESH_AXES, make_mesh, mesh_device_count, parse_mesh_spec
+from sharding.mesh import DEFAULT_SPEC, MESH_AXES, abstract_mesh, make_mesh, mesh_device_count, parse_mesh_spec
 from sharding.rules import DEFAULT_RULES, Rules, logical_to_spec
 from sharding.shard_model import (
     cache_shardings, enable_expert_parallelism, param_shardings, shard_batch, shard_cache, shard_model,
 )
 
 __all__ = [
-    "DEFAULT_RULES", "DEFAULT_SPEC", "MESH_AXES", "Rules", "cache_shardings", "enable_expert_parallelism",
+    "DEFAULT_RULES", "DEFAULT_SPEC", "abstract_mesh", "MESH_AXES", "Rules", "cache_shardings", "enable_expert_parallelism",
     "ep_routed_experts", "logical_to_spec", "make_mesh", "mesh_device_count", "param_shardings", "parse_mesh_spec",
     "shard_batch", "shard_cache", "shard_model",
 ]

@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
 
@@ -96,3 +96,16 @@ def make_mesh(spec: str | Mesh | None = None, devices: Sequence[jax.Device] | No
     return jax.make_mesh(
         tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
     )
+
+
+def abstract_mesh(spec: str, num_devices: int | None = None) -> AbstractMesh:
+    """The mesh `spec` describes, without devices (for planning and for shardings computed before any
+    device is touched): explicit sizes, or a -1 axis that takes the rest of `num_devices` (default:
+    this process's device count)."""
+    sizes = _axis_sizes(spec)
+    if -1 in sizes.values():
+        count = jax.device_count() if num_devices is None else num_devices
+    else:
+        count = math.prod(sizes.values())
+    full = parse_mesh_spec(spec, count)
+    return AbstractMesh(tuple(full[axis] for axis in MESH_AXES), MESH_AXES)

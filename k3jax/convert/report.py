@@ -15,9 +15,10 @@ import numpy as np
 
 from k3jax.checkpoint.names import path_names
 from k3jax.checkpoint.plan import LeafPlan, ReleasePlan
-from k3jax.load.placement import leaf_shardings, spec_mesh
+from k3jax.load.placement import leaf_shardings
 from k3jax.model import K3Model
 from k3jax.units import format_bytes
+from sharding import abstract_mesh
 
 
 def _sources(leaf: LeafPlan) -> str:
@@ -60,7 +61,7 @@ def device_bytes(abstract: K3Model, mesh_spec: str, num_devices: int | None = No
     `sharding.param_shardings` gives it, exactly as a load onto that mesh places it. Returns totals and
     the largest leaves per device.
     """
-    mesh = spec_mesh(mesh_spec, num_devices)
+    mesh = abstract_mesh(mesh_spec, num_devices)
     shardings = leaf_shardings(abstract, mesh)
     per_device, total, split, leaves = 0, 0, 0, []
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:

@@ -4,23 +4,20 @@ Shardings are `sharding.param_shardings` (DEFAULT_RULES) of the abstract model, 
 onto a mesh is placed exactly as `sharding.shard_model` places one. A scan-group leaf [G, ...] is
 split by its spec; its per-layer pieces take that spec without the leading `layers` entry (which the
 rules never split), so each piece can be read or restored straight into place and the pieces
-stacked on device into the group leaf's sharding. `spec_mesh` describes a mesh from its spec
-alone, for planning on devices one does not have.
+stacked on device into the group leaf's sharding.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.checkpoint.names import model_slots, path_names
 from k3jax.model import K3Model
-from sharding import MESH_AXES, param_shardings
-from sharding.mesh import parse_mesh_spec
+from sharding import param_shardings
 
 
 def leaf_shardings(abstract: K3Model, mesh: Mesh) -> dict[str, NamedSharding]:
@@ -49,22 +46,3 @@ def slot_shardings(abstract: K3Model, mesh: Mesh) -> dict[tuple[str, str], Named
 def stack_into(sharding: NamedSharding):
     """A jitted stack of per-layer pieces straight into `sharding` (one per sharding; recompiled per shape)."""
     return jax.jit(lambda *pieces: jnp.stack(pieces), out_shardings=sharding)
-
-
-def spec_device_count(spec: str) -> int | None:
-    """The device count a mesh spec names with explicit sizes ("expert=8,tensor=4" -> 32), or None when
-    a -1 axis leaves it to the devices present. The spec itself is checked by `parse_mesh_spec`."""
-    sizes = [part.partition("=")[2].strip() for part in spec.split(",")]
-    if "-1" in sizes:
-        return None
-    return math.prod(int(size) for size in sizes if size.isdigit())
-
-
-def spec_mesh(spec: str, num_devices: int | None = None) -> AbstractMesh:
-    """The mesh `spec` describes, with no devices: explicit sizes, or a -1 axis that takes the rest of
-    `num_devices` (default: this process's device count)."""
-    count = spec_device_count(spec)
-    if count is None:
-        count = jax.device_count() if num_devices is None else num_devices
-    sizes = parse_mesh_spec(spec, count)
-    return AbstractMesh(tuple(sizes[axis] for axis in MESH_AXES), MESH_AXES)

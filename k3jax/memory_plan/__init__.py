@@ -13,17 +13,17 @@ partition of the SPMD program (`measure`). FITS when every program's peak is <= 
 CPU caveat: the CPU compiler is not the GPU/TPU one (different fusion, bf16 dots run in fp32), so temps
 are an estimate of the same program's working set, not a measurement of a GPU allocation.
 
-    ensure_cpu_devices(mesh_device_count("expert=8,tensor=4"))   # before JAX starts its backend
+    ensure_cpu_devices(sharding.mesh_device_count("expert=8,tensor=4"))   # before JAX starts its backend
     plan = plan_memory(K3Config.from_hf("configs/kimi_k3.json"), "expert=8,tensor=4", parse_bytes("141GB"))
     print(format_memory_plan(plan))
 """
 
-from k3jax.memory_plan.devices import ensure_cpu_devices, mesh_device_count
+from k3jax.memory_plan.devices import ensure_cpu_devices
 from k3jax.memory_plan.measure import Program
 from k3jax.memory_plan.plan import CPU_KERNELS, DEVICE_KERNELS, MemoryPlan, plan_memory, reduced_config
 from k3jax.memory_plan.report import format_memory_plan
 
 __all__ = [
     "CPU_KERNELS", "DEVICE_KERNELS", "MemoryPlan", "Program", "ensure_cpu_devices", "format_memory_plan",
-    "mesh_device_count", "plan_memory", "reduced_config",
+    "plan_memory", "reduced_config",
 ]

@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 from k3jax.config import ConfigError, K3Config
-from k3jax.memory_plan.devices import ensure_cpu_devices, mesh_device_count
+from k3jax.memory_plan.devices import ensure_cpu_devices
 from k3jax.memory_plan.plan import CPU_KERNELS, DEVICE_KERNELS, plan_memory
 from k3jax.memory_plan.report import format_memory_plan
 from k3jax.units import parse_bytes
+from sharding import mesh_device_count
 
 
 def add_plan_command(commands: argparse._SubParsersAction) -> None:

@@ -10,17 +10,6 @@ from __future__ import annotations
 
 import jax
 
-from k3jax.load.placement import spec_device_count, spec_mesh
-
-
-def mesh_device_count(spec: str) -> int:
-    """Devices a mesh spec with explicit sizes names ("expert=8,tensor=4" -> 32); -1 is not allowed here,
-    since the planner creates the devices."""
-    count = spec_device_count(spec)
-    if count is None:
-        raise ValueError(f"mesh spec {spec!r}: the planner needs explicit axis sizes (no -1)")
-    return spec_mesh(spec).size  # checks the spec (axes, sizes) without touching JAX's backend
-
 
 def ensure_cpu_devices(n: int) -> None:
     """Make this process's JAX backend CPU with at least `n` devices; must run before JAX initialises."""

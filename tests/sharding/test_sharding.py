@@ -18,7 +18,7 @@ import k3jax
 from k3jax.nn.kda import KDACache
 from k3jax.nn.mla import MLACache
 from sharding import (
-    DEFAULT_RULES, cache_shardings, logical_to_spec, make_mesh, mesh_device_count, param_shardings, parse_mesh_spec,
+    DEFAULT_RULES, abstract_mesh, cache_shardings, logical_to_spec, make_mesh, mesh_device_count, param_shardings, parse_mesh_spec,
     shard_batch, shard_cache, shard_model,
 )
 from tests.conftest import GOLDEN_DIR, rel_rms
@@ -210,3 +210,14 @@ def test_expert_meshes_run_moe_expert_parallel(golden_model_fp32):
     assert sharded.layer(1).block_sparse_moe.expert_mesh is not None
     assert shard_model(golden_model_fp32, make_mesh("tensor=8")).layer(1).block_sparse_moe.expert_mesh is None
     assert golden_model_fp32.layer(1).block_sparse_moe.expert_mesh is None  # the input model is unchanged
+
+
+def test_abstract_mesh_from_a_spec_without_devices():
+    mesh = abstract_mesh("tensor=4, expert=8")
+    assert mesh.size == 32 and dict(mesh.shape) == {"data": 1, "fsdp": 1, "context": 1, "expert": 8, "tensor": 4}
+    assert dict(abstract_mesh("data=2,expert=-1", num_devices=16).shape)["expert"] == 8
+    assert abstract_mesh("fsdp=-1").size == jax.device_count()
+    for spec, message in [("pipeline=2", "unknown axis 'pipeline'"), ("expert=0", "size 0"),
+                          ("expert=two", "not an integer"), ("expert", "axis=size")]:
+        with pytest.raises(ValueError, match=message):
+            abstract_mesh(spec)
