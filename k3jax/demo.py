@@ -8,8 +8,8 @@
 4. generate from a text prompt (byte-level tokenizer: the tiny model has no tiktoken file), streaming
    tokens, and report tokens/s.
 
-The config ships inside the package (`k3jax/configs` is the repository's `configs/`, package data
-of the wheel), so the demo needs nothing but an installed k3jax.
+The config ships inside the package (`k3jax.assets`), so the demo needs nothing but an installed
+k3jax.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from k3jax.assets import packaged_config
 from k3jax.checkpoint.release_writer import write_release
 from k3jax.convert import convert
 from k3jax.generate import generate
@@ -30,11 +30,6 @@ from k3jax.pretrained import from_pretrained
 from k3jax.tokenizer import load_tokenizer
 
 DEMO_MESH = "data=2,expert=2,tensor=2"
-
-
-def packaged_config(name: str) -> dict:
-    """A config shipped with k3jax (`configs/<name>.json`), e.g. "k3_tiny", "kimi_k3"."""
-    return json.loads(resources.files("k3jax").joinpath("configs", f"{name}.json").read_text())
 
 
 def run_demo(*, prompt: str = "Kimi K3 in JAX: ", max_new_tokens: int = 24, mesh: str | None = None,
