@@ -15,10 +15,10 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from k3jax.checkpoint.mxfp4 import encode_mxfp4
 from k3jax.config import K3Config
 from k3jax.convert.plan import EXPERTS_PREFIX, abstract_items, source_name
 from k3jax.model import K3Model
+from pallas_kernels.mxfp4 import encode_mxfp4
 
 
 def release_name(slot) -> str:

@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from k3jax.checkpoint.mxfp4 import decode_mxfp4, decode_mxfp4_jax
 from k3jax.checkpoint.safetensors_index import CheckpointError
 from k3jax.config import K3Config
 from k3jax.convert.assemble import assemble_model
 from k3jax.convert.plan import EXPERTS_PREFIX, abstract_items, abstract_model, model_slots, path_names
 from k3jax.convert.store import ItemStore, read_complete_manifest
 from k3jax.model import K3Model
+from pallas_kernels.mxfp4 import decode_mxfp4, decode_mxfp4_jax
 
 EXPERTS = (None, "mxfp4", "bf16")
 
