@@ -1,6 +1,6 @@
 """Tile configurations of the Triton grouped GEMMs, chosen from static shapes only (group sizes are data).
 
-The choice follows the average rows per expert (measured on H200s; see benchmarks/RESULTS.md):
+The choice follows the average rows per expert (the tuning: benchmarks/RESULTS.md):
 * large groups (>= SMALL_GROUP_ROWS rows per expert): 128-row tiles;
 * small groups: an expert's remainder tile is mostly padding, so a 32-row tail is merged into the full
   tile's program, with the weights as the MMA's left operand so that the tail rows are its N;
