@@ -62,7 +62,7 @@ def plan_kernels(*, dtype, weight_dtype, packed: bool, num_rows: int, num_expert
     mxfp4_gate_up = on_gpu and packed and bf16 and large and gate_up_mxfp4.fits(d_in, hidden)
     packed_gate_up = packed and (decode_sized or mxfp4_gate_up)
     packed_down = packed and decode_sized
-    dense_bf16 = bf16 and (packed or jnp.dtype(weight_dtype) == BF16)  # weights decoded to the rows' dtype
+    dense_bf16 = bf16 and (packed or jnp.dtype(weight_dtype) == BF16)  # bf16 weights once MXFP4 is decoded
     mosaic_forward = on_gpu and not decode_sized and dense_bf16
     mosaic_backward = on_gpu and large and dense_bf16
     plain = functools.partial(grouped_gemm.fits, block_cols=mosaic_gpu.PLAIN_COLS)

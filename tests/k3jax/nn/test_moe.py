@@ -234,3 +234,23 @@ def test_latent_moe_dense_and_auto_agree(moe: LatentMoE, cfg: K3Config) -> None:
     np.testing.assert_array_equal(np.asarray(ids_auto), np.asarray(ids_dense))
     # Same routed sum in two fp32 orders (see the expert test), then identical norm/up/shared paths.
     assert rel(out_auto, out_dense) <= 1e-6
+
+
+def test_latent_moe_runs_the_kernels_it_was_given(moe: LatentMoE, cfg: K3Config) -> None:
+    """`kernels.moe` reaches the routed experts on one device and expert-parallel (an unknown name is
+    refused by the routed experts' dispatch, naming it); `Kernels(moe="xla")` is the CPU policy's."""
+    from sharding import make_mesh
+
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((1, 4, cfg.hidden_size)), jnp.float32)
+    out_policy, _ = moe(x)
+    try:
+        moe.kernels = Kernels(moe="xla")
+        np.testing.assert_array_equal(np.asarray(moe(x)[0]), np.asarray(out_policy))
+        moe.kernels = Kernels(moe="no_such_kernel")
+        with pytest.raises(ValueError, match="implementation 'no_such_kernel' is unknown"):
+            moe(x)
+        moe.expert_mesh = make_mesh(f"expert={jax.device_count()}")
+        with pytest.raises(ValueError, match="implementation 'no_such_kernel' is unknown"):
+            moe(x)
+    finally:
+        moe.kernels, moe.expert_mesh = Kernels(), None
