@@ -85,12 +85,12 @@ def layer_cases(smoke: bool, shapes: tuple[str, ...], grads: bool) -> list[dict]
     import jax.numpy as jnp
 
     from benchmarks.timing import median_ms
-    from pallas_kernels.moe.api import routed_experts
+    from pallas_kernels.moe import routed_experts
     from sharding import make_mesh
     from sharding.expert_parallel import ep_routed_experts
 
     mesh = make_mesh("expert=2")
-    impl = "xla" if smoke else "pallas"
+    impl = "xla" if smoke else "pallas_gpu"
     dtype = jnp.float32 if smoke else jnp.bfloat16
     e, k, d, f = (8, 2, 32, 16) if smoke else (56, 8, 3584, 3072)
     sizes = {"prefill": 64 if smoke else 8192, "decode": 8 if smoke else 64}
@@ -133,7 +133,7 @@ def layer_gradients(args, mesh, impl, label) -> list[dict]:
     import jax.numpy as jnp
 
     from benchmarks.timing import median_ms
-    from pallas_kernels.moe.api import routed_experts
+    from pallas_kernels.moe import routed_experts
     from sharding.expert_parallel import ep_routed_experts
 
     ct = jax.random.normal(jax.random.key(9), (args[0].shape[0], args[1].shape[2]), jnp.float32)

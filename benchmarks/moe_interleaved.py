@@ -57,8 +57,8 @@ def contenders(kind: str, num_experts: int, x, w1, w3, gs) -> tuple[dict, dict]:
     import torch
 
     from benchmarks.torch_peer import torch_situ
-    from pallas_kernels.moe import mosaic_gpu_grouped_gemm as mg
-    from pallas_kernels.moe import pallas_grouped_gemm as pg
+    from pallas_kernels.moe import mosaic_gpu as mg
+    from pallas_kernels.moe import triton as pg
 
     rows = x.shape[0]
     tx, tw1, tw3 = (torch.from_dlpack(a) for a in (x, w1, w3))
@@ -99,7 +99,7 @@ def main(rounds: int, inner: int) -> None:
     import torch
 
     from benchmarks.moe_grouped_gemm import dims, sizes_for
-    from pallas_kernels.moe.reference import _RAGGED_DIMS, situ
+    from pallas_kernels.moe.reference import RAGGED_DIMS, situ
 
     res: dict = {"env": {"jax": jax.__version__, "torch": torch.__version__,
                          "device": jax.devices()[0].device_kind, "rounds": rounds, "inner": inner,
@@ -110,7 +110,7 @@ def main(rounds: int, inner: int) -> None:
         return float(jnp.linalg.norm(a - ref) / jnp.linalg.norm(ref))
 
     def ragged(x, w, gs):
-        return jax.lax.ragged_dot_general(x, w, gs, _RAGGED_DIMS, preferred_element_type=jnp.float32)
+        return jax.lax.ragged_dot_general(x, w, gs, RAGGED_DIMS, preferred_element_type=jnp.float32)
 
     for label, num_experts, kind, dist, m in CASES:
         k_dim, n_dim = dims(kind)

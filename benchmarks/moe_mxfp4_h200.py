@@ -16,8 +16,7 @@ Cases (K3 per-GPU slices, M = 16384 rows sorted by expert, group sizes uniform):
     this size) vs decoding the layer in XLA first vs bf16 weights; and each GEMM's tile candidates;
   * gate+up 3584 -> 2x3072 (SiTU fused) and down 3072 -> 3584 at E=28: the bf16 kernel on bf16 weights, the
     same kernels reading MXFP4 weights and decoding tiles in registers (default: weights as the MMA's left
-    operand; also the plain orientation, and x in fragment order), and XLA decode of the whole layer
-    followed by the bf16 kernel (what routed_experts does);
+    operand; also the plain orientation), and XLA decode of the whole layer followed by the bf16 kernel;
   * gate+up and down at E=112 (146-147 rows per expert): 128-row tiles with a 32-row tail merged into the
     same program (the small-group default) vs the tail in a program of its own; mma_rows_* = rows of MMA
     work per column block (useful: 16384);
@@ -25,7 +24,7 @@ Cases (K3 per-GPU slices, M = 16384 rows sorted by expert, group sizes uniform):
     tn_E28_tiles (the weight-gradient GEMM alone, tile candidates) and decode_layer_E28 (one layer's gate and
     up experts decoded to bf16 in XLA: the table decode routed_experts uses at 16384 rows vs the kernels'
     integer bit assembly over the whole layer);
-  * expert MLP forward+backward at E=28 and E=112 (pallas_vjp.expert_mlp, default tiles) vs jax autodiff of
+  * expert MLP forward+backward at E=28 and E=112 (pallas_gpu.grouped_mlp: its default kernels and tiles) vs jax autodiff of
     the lax.ragged_dot MLP, and (torch part) torch._grouped_mm forward + autograd backward of the same MLP;
     torch._grouped_mm alone for each forward GEMM.
 Numerics before timing: bf16 outputs vs an fp32 lax.ragged_dot reference (rel <= 1e-2; the bf16 output
@@ -70,12 +69,10 @@ def part_jax(budget_s: float) -> None:
     import jax.numpy as jnp
 
     from benchmarks.timing import samples_ms
-    from pallas_kernels.moe import pallas_grouped_gemm as pg
-    from pallas_kernels.moe.mxfp4_order import fragment_order
-    from pallas_kernels.moe.pallas_experts import experts_pallas
-    from pallas_kernels.moe.pallas_vjp import _ragged_rows_outer, expert_mlp
-    from pallas_kernels.moe.api import routed_experts
-    from pallas_kernels.moe.reference import _RAGGED_DIMS, MXFP4Experts, experts_ragged_dot, situ
+    from pallas_kernels.moe import pallas_gpu, routed_experts
+    from pallas_kernels.moe import triton as pg
+    from pallas_kernels.moe.reference import RAGGED_DIMS, experts_ragged_dot, situ
+    from pallas_kernels.mxfp4 import MXFP4Experts, decode_tile
 
     t0 = time.time()
     T = pg.TileConfig
@@ -97,7 +94,13 @@ def part_jax(budget_s: float) -> None:
         return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
     def ragged(x, w, gs):
-        return jax.lax.ragged_dot_general(x, w, gs, _RAGGED_DIMS, preferred_element_type=jnp.float32)
+        return jax.lax.ragged_dot_general(x, w, gs, RAGGED_DIMS, preferred_element_type=jnp.float32)
+
+    contract_rows = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+    def ragged_rows_outer(a, b, gs):  # per group e: a_e^T b_e, the weight-gradient GEMM's oracle
+        return jax.lax.ragged_dot_general(a, b, gs, contract_rows, preferred_element_type=jnp.float32)
 
     def random_mxfp4(key, e, n, k) -> MXFP4Experts:
         """Random codes; scale bytes 119/120 give a weight RMS of ~0.01 (about K^-1/2)."""
@@ -134,7 +137,7 @@ def part_jax(budget_s: float) -> None:
             for lhs in (False, True):
                 c = T(64, 64, 32, 4, 3, weights_lhs=lhs, tail_m=16 if lhs else None)
                 out[f"gate_up_lhs{int(lhs)}"] = rel(pg.grouped_gate_up_situ(
-                    x, q1, q3, gs, cfg=c, out_dtype=jnp.float32, approx_situ=False, interpret=INTERPRET), ref)
+                    x, q1, q3, gs, cfg=c, out_dtype=jnp.float32, interpret=INTERPRET), ref)
                 out[f"matmul_lhs{int(lhs)}"] = rel(pg.grouped_matmul(
                     x, q1, gs, cfg=c, out_dtype=jnp.float32, interpret=INTERPRET), ragged(x, d1, gs))
             edge[name] = out
@@ -146,8 +149,8 @@ def part_jax(budget_s: float) -> None:
         ws = [random_mxfp4(k, 8, n, kk) for k, n, kk in ((k2, 64, 96), (k3, 40, 64), (k4, 64, 96))]
         ids = jax.random.randint(k5, (300, 4), 0, 8)
         wts = jnp.full((300, 4), 0.25, jnp.float32)
-        got = jax.jit(functools.partial(experts_pallas, beta=BETA, linear_beta=LINEAR_BETA, interpret=INTERPRET))(
-            x, *ws, wts, ids)
+        got = jax.jit(functools.partial(routed_experts, beta=BETA, linear_beta=LINEAR_BETA,
+                                        implementation="pallas_gpu"))(x, *ws, wts, ids)
         want = experts_ragged_dot(x, *(w.decode(jnp.bfloat16) for w in ws), wts, ids, beta=BETA,
                                   linear_beta=LINEAR_BETA)
         edge["routed_k96"] = rel(got, want)  # both bf16 paths; XLA rounds gate/up to bf16 first (~3e-3)
@@ -190,8 +193,7 @@ def part_jax(budget_s: float) -> None:
             mxfp4_configs(rec, mxfp4_cfgs, call, packed_args, same_ops, same_bf16, ref32, tag)
         if num_experts != 28 or m != M or rec["label"].endswith("_tiles"):
             return
-        fragment_and_decode_first(rec, fused, k_dim, x, mxfp4_cfgs[0], bf16_cfgs[0], call, packed_args,
-                                  same_bf16, ref32, bf16_check)
+        decode_first(rec, fused, bf16_cfgs[0], packed_args, bf16_check)
 
     def mxfp4_configs(rec, mxfp4_cfgs, call, packed_args, same_ops, same_bf16, ref32, tag) -> None:
         for i, cfg in enumerate(mxfp4_cfgs):
@@ -210,20 +212,8 @@ def part_jax(budget_s: float) -> None:
 
             run_case(rec, "mxfp4_" + cfg.label() + tag, call(cfg), packed_args, check)
 
-    def fragment_and_decode_first(rec, fused, k_dim, x, frag_cfg, bf16_cfg, call, packed_args, same_bf16, ref32,
-                                  bf16_check) -> None:
-        """MXFP4 with x in fragment order, and XLA decoding the layer before the bf16 kernel."""
-        # x's columns in fragment order (mxfp4_order.py), permuted here outside the timing: the kernel then
-        # reads each thread's packed bytes contiguously (~17% fewer SASS instructions per k step, offline)
-        x_frag = x[:, fragment_order(k_dim, frag_cfg.block_k)]
-
-        def frag_check(out):
-            same, err = rel(out, same_bf16), rel(out, ref32)
-            rec["mxfp4_fragment_order_vs_bf16_kernel"] = same
-            return err, same <= 5e-3 and err <= 1e-2
-
-        run_case(rec, "mxfp4_fragment_order_" + frag_cfg.label(), call(frag_cfg, x_fragment_order=True),
-                 (x_frag, *packed_args[1:]), frag_check)
+    def decode_first(rec, fused, bf16_cfg, packed_args, bf16_check) -> None:
+        """XLA decoding the layer before the bf16 kernel."""
         if fused:
             xla_decode = jax.jit(lambda x_, a, b, g: pg.grouped_gate_up_situ(
                 x_, a.decode(jnp.bfloat16), b.decode(jnp.bfloat16), g, cfg=bf16_cfg, interpret=INTERPRET))
@@ -242,9 +232,9 @@ def part_jax(budget_s: float) -> None:
             ids = jax.random.randint(ki, (DECODE_ROWS, 1), 0, 28)
             wts = jnp.ones((DECODE_ROWS, 1), jnp.float32)
             kw = dict(beta=BETA, linear_beta=LINEAR_BETA)
-            routed = jax.jit(functools.partial(routed_experts, implementation="pallas", **kw))
-            decode_first = jax.jit(lambda x_, a, b, c, w_, i_: experts_pallas(
-                x_, *(q.decode(jnp.bfloat16) for q in (a, b, c)), w_, i_, interpret=INTERPRET, **kw))
+            routed = jax.jit(functools.partial(routed_experts, implementation="pallas_gpu", **kw))
+            decode_first = jax.jit(lambda x_, a, b, c, w_, i_: routed_experts(
+                x_, *(q.decode(jnp.bfloat16) for q in (a, b, c)), w_, i_, implementation="pallas_gpu", **kw))
             dense = [q.decode(jnp.bfloat16) for q in packed]
             want = decode_first(x, *packed, wts, ids)
             same = lambda out: (lambda e: (e, e <= 5e-3))(rel(out, want))  # noqa: E731 (only bf16 roundings differ)
@@ -319,7 +309,7 @@ def part_jax(budget_s: float) -> None:
         x = jax.random.normal(kx, (M, H), jnp.bfloat16)
         gs = jnp.asarray(uniform_sizes(28), jnp.int32)
         rec = {"label": label, "GFLOP": 2 * M * F * H / 1e9}
-        want = jax.jit(lambda a, b: _ragged_rows_outer(a, b, gs))(dg, x)
+        want = jax.jit(lambda a, b: ragged_rows_outer(a, b, gs))(dg, x)
         tn_check = lambda out: (lambda e: (e, e <= 1e-2))(rel(out, want))  # noqa: E731
         # block_m: P tile, block_n: Q tile, block_k: rows per step (128 rows per step exceeds shared memory)
         for cfg in (T(128, 256, 64, 8, 4), T(128, 256, 32, 8, 6), T(128, 128, 64, 8, 4), T(256, 128, 64, 8, 3)):
@@ -331,12 +321,10 @@ def part_jax(budget_s: float) -> None:
 
     # -- 2c. decoding one layer's gate and up experts to bf16 (only with --cases): what routed_experts does
     # before the bf16 kernels at 16384 rows. The release decode (`MXFP4Experts.decode`: a 16-entry table
-    # gather, an fp32 scale product) against the kernels' bit assembly (`mxfp4_tile.decode_tile`: integer
+    # gather, an fp32 scale product) against the kernels' bit assembly (`mxfp4.decode_tile`: integer
     # ops only) applied to the whole layer by XLA; both exact, so they must agree bit for bit.
     label = "decode_layer_E28"
     if label in ONLY:
-        from pallas_kernels.moe.mxfp4_tile import decode_tile
-
         def decode_bits(q: MXFP4Experts) -> jax.Array:
             e, n, half = q.packed.shape
             flat = decode_tile(q.packed.reshape(e * n, half), q.scale.reshape(e * n, -1))
@@ -379,9 +367,8 @@ def part_jax(budget_s: float) -> None:
             g, u = ragged(r, a, gs).astype(r.dtype), ragged(r, c, gs).astype(r.dtype)
             return ragged(situ(g, u, BETA, LINEAR_BETA), b, gs).astype(r.dtype)
 
-        def pallas_mlp(r, a, b, c):
-            return expert_mlp(r, a, b, c, gs, BETA, LINEAR_BETA, INTERPRET, pg.gate_up_config(M, num_experts),
-                              pg.down_config(M, num_experts), pg.down_config(M, num_experts, backward=True))
+        def pallas_mlp(r, a, b, c):  # the default tiles and kernels (`pallas_gpu.plan_kernels`)
+            return pallas_gpu.grouped_mlp(r, gs, a, b, c, beta=BETA, linear_beta=LINEAR_BETA)
 
         def grads(mlp):
             loss = lambda r, a, b, c: jnp.sum(mlp(r, a, b, c).astype(jnp.float32) * cot)  # noqa: E731

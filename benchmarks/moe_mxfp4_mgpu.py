@@ -1,7 +1,7 @@
 """MXFP4 gate+up in Mosaic GPU (weights decoded in registers) against the bf16 kernel, on the H200.
 
 First checks the kernel against the bf16 Mosaic GPU kernel on the same weights decoded by the
-release decoder (``k3jax.checkpoint.mxfp4.decode_mxfp4_jax``), at small shapes with empty experts,
+release decoder (``pallas_kernels.mxfp4.decode_mxfp4_jax``), at small shapes with empty experts,
 rows that are not a multiple of 8 and rows past the last expert; then times, in turns in one
 process (medians of ``--rounds`` rounds, rotating order), at K3's widths (3584 -> 2 x 3072,
 16384 rows, uniform groups):
@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import median_ms
-from k3jax.checkpoint.mxfp4 import decode_mxfp4_jax
-from pallas_kernels.moe.mosaic_gpu_grouped_gemm import gate_up_situ_mgpu
-from pallas_kernels.moe.mosaic_gpu_mxfp4 import gate_up_situ_mxfp4_mgpu, x_column_order
+from pallas_kernels.moe import pallas_gpu, routed_experts
+from pallas_kernels.moe.mosaic_gpu import gate_up_situ_mgpu, gate_up_situ_mxfp4_mgpu, x_column_order
+from pallas_kernels.mxfp4 import MXFP4Experts, decode_experts, decode_mxfp4_jax
 
 
 def random_mxfp4(e: int, n: int, k: int, seed: int) -> tuple[jax.Array, jax.Array]:
@@ -110,17 +110,16 @@ def main(rounds: int) -> None:
 
 
 def routed(rounds: int) -> None:
-    from pallas_kernels.moe.api import mxfp4_gate_up_in_mosaic_gpu, routed_experts
-    from pallas_kernels.moe.reference import MXFP4Experts, decode_experts
-
     e, d, f, tokens, top_k = 28, 3584, 3072, 2048, 8
     w1, w3 = (MXFP4Experts(*random_mxfp4(e, f, d, s)) for s in (10, 11))
     w2 = MXFP4Experts(*random_mxfp4(e, d, f, 12))
     x = jax.random.normal(jax.random.key(1), (tokens, d), jnp.float32).astype(jnp.bfloat16)
     ids = jax.random.randint(jax.random.key(2), (tokens, top_k), 0, e)
     gates = jax.nn.softmax(jax.random.normal(jax.random.key(3), (tokens, top_k)), axis=-1)
-    assert mxfp4_gate_up_in_mosaic_gpu("pallas", x, w1, w3, ids.size)
-    layer = functools.partial(routed_experts, beta=4.0, linear_beta=25.0, implementation="pallas")
+    plan = pallas_gpu.plan_kernels(dtype=x.dtype, weight_dtype=None, packed=True, num_rows=ids.size, num_experts=e,
+                                   d_in=d, hidden=f, d_out=d, interpret=False)
+    assert plan.gate_up == "mosaic_gpu_mxfp4", plan
+    layer = functools.partial(routed_experts, beta=4.0, linear_beta=25.0, implementation="pallas_gpu")
     packed = jax.jit(lambda x, w1, w2, w3: layer(x, w1, w2, w3, gates, ids))
     decoded_first = jax.jit(lambda x, w1, w2, w3: layer(
         x, *(decode_experts(w, jnp.bfloat16) for w in (w1, w2, w3)), gates, ids))

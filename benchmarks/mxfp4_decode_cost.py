@@ -1,6 +1,6 @@
 """What a cheaper MXFP4 decode would buy the Mosaic GPU gate+up kernel: cost-only variants, on the GPU.
 
-The MXFP4 kernel (``pallas_kernels/moe/mosaic_gpu_mxfp4.py``) turns each 32-bit register of 8 E2M1
+The MXFP4 kernel (``pallas_kernels/moe/mosaic_gpu/gate_up_mxfp4.py``) turns each 32-bit register of 8 E2M1
 codes into four bf16x2 registers with 17 PTX instructions. This script measures what fewer
 instructions would be worth by swapping the decode's PTX for cheaper text of the same shape (same
 inputs and outputs, wrong values: cost only) and timing each variant in turns with the bf16 kernel
@@ -31,8 +31,8 @@ import jax.numpy as jnp
 
 from benchmarks.moe_mxfp4_mgpu import case, check
 from benchmarks.timing import median_ms
-from pallas_kernels.moe import mosaic_gpu_mxfp4 as mx
-from pallas_kernels.moe.mosaic_gpu_grouped_gemm import gate_up_situ_mgpu
+from pallas_kernels.moe.mosaic_gpu import gate_up_mxfp4 as mx
+from pallas_kernels.moe.mosaic_gpu import gate_up_situ_mgpu
 
 _MASK = 0x81C081C0  # a pair's magnitude and sign bits
 

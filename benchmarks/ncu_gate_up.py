@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.moe_mxfp4_mgpu import case
-from pallas_kernels.moe.mosaic_gpu_grouped_gemm import gate_up_situ_mgpu
-from pallas_kernels.moe.mosaic_gpu_mxfp4 import gate_up_situ_mxfp4_mgpu
+from pallas_kernels.moe.mosaic_gpu import gate_up_situ_mgpu, gate_up_situ_mxfp4_mgpu
 
 
 def main() -> None:

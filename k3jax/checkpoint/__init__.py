@@ -7,8 +7,8 @@ and a writer of random releases (`release_writer`). A converted directory: per-i
 checkpoints, manifest, checksums and the COMPLETE marker (`store`, `checksum`).
 """
 
-from k3jax.checkpoint.mxfp4 import decode_mxfp4, decode_mxfp4_jax, encode_mxfp4
 from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex, TensorInfo
+from pallas_kernels.mxfp4 import decode_mxfp4, decode_mxfp4_jax, encode_mxfp4
 
 __all__ = [
     "CheckpointError",

@@ -15,10 +15,10 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from k3jax.checkpoint.mxfp4 import encode_mxfp4
 from k3jax.checkpoint.names import EXPERTS_PREFIX, MXFP4_SUFFIXES, abstract_items, release_name
 from k3jax.config import K3Config
 from k3jax.model import K3Model
+from pallas_kernels.mxfp4 import encode_mxfp4
 
 
 def write_release(root: Path, config: dict, *, seed: int = 0, num_shards: int = 2, std: float = 0.02) -> Path:

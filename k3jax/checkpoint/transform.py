@@ -12,9 +12,9 @@ import os
 import ml_dtypes
 import numpy as np
 
-from k3jax.checkpoint.mxfp4 import decode_mxfp4
 from k3jax.checkpoint.plan import ItemPlan, LeafPlan
 from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex, TensorInfo
+from pallas_kernels.mxfp4 import decode_mxfp4
 
 
 def materialize(leaf: LeafPlan, index: CheckpointIndex) -> np.ndarray:

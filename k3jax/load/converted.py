@@ -20,7 +20,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from k3jax.checkpoint.mxfp4 import decode_mxfp4, decode_mxfp4_jax
 from k3jax.checkpoint.names import EXPERTS_PREFIX, Slot, abstract_items
 from k3jax.checkpoint.safetensors_index import CheckpointError
 from k3jax.checkpoint.store import ItemStore, read_complete_manifest

@@ -38,27 +38,6 @@ class LayerTaps(NamedTuple):
     router_ids: jax.Array | None
 
 
-# ---- ADAPTER (remove when KimiDeltaAttention and LatentMoE take `kernels=`) -------------------------
-# Until then they take the old `implementation=` names: None (the policy) was "auto", "pallas_gpu" was
-# "pallas". "mosaic_tpu" has no old name that means it on every platform, and `kda_decode` has no
-# old parameter at all, so those choices are refused rather than silently dropped.
-_OLD_NAME = {None: "auto", "xla": "xla", "pallas_gpu": "pallas"}
-
-
-def _old_implementation(kernels: Kernels, op: str) -> str:
-    choice = getattr(kernels, op)
-    if choice not in _OLD_NAME:
-        raise NotImplementedError(f"kernels.{op}={choice!r}: not reachable before the dispatch tables land")
-    return _OLD_NAME[choice]
-
-
-def _check_no_decode_choice(kernels: Kernels) -> None:
-    if kernels.kda_decode is not None:
-        raise NotImplementedError(f"kernels.kda_decode={kernels.kda_decode!r}: not reachable before the dispatch "
-                                  "tables land")
-# ---- END ADAPTER ---------------------------------------------------------------------------------
-
-
 class DecoderLayer(nnx.Module):
     def __init__(
         self, cfg: K3Config, mixer: MixerKind, ffn: FfnKind, *, dtype: jnp.dtype, rngs: nnx.Rngs,
@@ -70,9 +49,7 @@ class DecoderLayer(nnx.Module):
         self.self_attention_res_norm = RMSNorm(d, eps, dtype=dtype, axis="embed", rngs=rngs)
         self.input_layernorm = RMSNorm(d, eps, dtype=dtype, axis="embed", rngs=rngs)
         if mixer == "kda":
-            _check_no_decode_choice(kernels)  # ADAPTER
-            self.self_attn = KimiDeltaAttention(  # ADAPTER: becomes `kernels=kernels`
-                cfg, dtype=dtype, rngs=rngs, implementation=_old_implementation(kernels, "kda"))
+            self.self_attn = KimiDeltaAttention(cfg, dtype=dtype, rngs=rngs, kernels=kernels)
         else:
             self.self_attn = GatedMLA(cfg, dtype=dtype, rngs=rngs)
         self.mlp_res_proj = Linear(d, 1, dtype=dtype, axes=(None, "embed"), rngs=rngs)
@@ -82,8 +59,7 @@ class DecoderLayer(nnx.Module):
             self.mlp = SiTUMLP(d, cfg.intermediate_size, cfg.situ_beta, cfg.situ_linear_beta, dtype=dtype,
                                mlp_axis="mlp", rngs=rngs)
         else:
-            self.block_sparse_moe = LatentMoE(  # ADAPTER: becomes `kernels=kernels`
-                cfg, dtype=dtype, rngs=rngs, implementation=_old_implementation(kernels, "moe"))
+            self.block_sparse_moe = LatentMoE(cfg, dtype=dtype, rngs=rngs, kernels=kernels)
         self.mixer_kind, self.ffn_kind = mixer, ffn
         self.kernels = kernels
         self.block_size, self.eps = cfg.attn_res_block_size, eps

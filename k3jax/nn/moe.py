@@ -7,10 +7,13 @@ latent width, run the chosen SiTU-GLU experts, weighted sum in fp32, RMSNorm, up
 experts see the full-width input (k3-architecture.md §4).
 
 Routed experts are either dense (`RoutedExperts`) or kept MXFP4-packed as the release stores them
-(`PackedRoutedExperts`, 4.25 bits per weight in HBM, decoded one layer at a time right before the expert
-GEMMs; the Pallas kernels' per-tile decode exists but is slower on the H200, see pallas_kernels/moe/api.py);
-`pack_routed_experts` turns a model's experts into the packed form (used on abstract models by the
-loaders, which then fill in the release's codes and scales).
+(`PackedRoutedExperts`, 4.25 bits per weight in HBM; each implementation of the routed experts reads them
+packed where its kernels can and decodes the rest one layer at a time right before its GEMMs, see
+pallas_kernels/moe/api.py); `pack_routed_experts` turns a model's experts into the packed form (used on
+abstract models by the loaders, which then fill in the release's codes and scales).
+
+Which implementation runs the routed experts is the model's `Kernels.moe` (k3jax/kernels.py), honoured
+on one device and, when `sharding` gives the layer an expert mesh, expert-parallel.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from k3jax.config import K3Config
-from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm, declare, normal_init
-from k3jax.nn.situ import SiTUMLP
 from jax.sharding import Mesh
 
+from k3jax.config import K3Config
+from k3jax.kernels import Kernels
+from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm, declare, normal_init
+from k3jax.nn.situ import SiTUMLP
 from pallas_kernels.moe import MXFP4Experts, routed_experts
+from pallas_kernels.mxfp4 import BLOCK, check_mxfp4
+from sharding.expert_parallel import ep_routed_experts
 
 
 def route_topk(
@@ -58,9 +63,6 @@ class RoutedExperts(nnx.Module):
         )
 
 
-MXFP4_BLOCK = 32
-
-
 class MXFP4Weight(nnx.Module):
     """One stacked expert weight [..., E, out, in] kept packed: `packed` uint8 [..., E, out, in/2] (two E2M1
     codes per byte) and `scale` uint8 [..., E, out, in/32] (E8M0). Both carry the dense weight's logical
@@ -68,10 +70,7 @@ class MXFP4Weight(nnx.Module):
     `MXFP4Experts` pair that `routed_experts` decodes."""
 
     def __init__(self, packed: jax.Array, scale: jax.Array, axes: tuple[str | None, ...]) -> None:
-        if packed.dtype != jnp.uint8 or scale.dtype != jnp.uint8 or packed.shape[:-1] != scale.shape[:-1] \
-                or 2 * packed.shape[-1] != MXFP4_BLOCK * scale.shape[-1]:
-            raise ValueError(f"MXFP4 packed {packed.dtype}{tuple(packed.shape)} and scale "
-                             f"{scale.dtype}{tuple(scale.shape)} are not a packed/scale pair")
+        check_mxfp4(packed, scale)
         self.packed = nnx.Param(packed, logical_axes=axes)
         self.scale = nnx.Param(scale, logical_axes=axes)
 
@@ -79,9 +78,9 @@ class MXFP4Weight(nnx.Module):
     def zeros(cls, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> "MXFP4Weight":
         """Placeholder codes/scales for a dense weight of `shape` [..., in] (in a multiple of 32)."""
         *rows, cols = shape
-        if cols % MXFP4_BLOCK:
-            raise ValueError(f"MXFP4 needs the input width to be a multiple of {MXFP4_BLOCK}, got shape {shape}")
-        return cls(jnp.zeros((*rows, cols // 2), jnp.uint8), jnp.zeros((*rows, cols // MXFP4_BLOCK), jnp.uint8), axes)
+        if cols % BLOCK:
+            raise ValueError(f"MXFP4 needs the input width to be a multiple of {BLOCK}, got shape {shape}")
+        return cls(jnp.zeros((*rows, cols // 2), jnp.uint8), jnp.zeros((*rows, cols // BLOCK), jnp.uint8), axes)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -114,7 +113,10 @@ def pack_routed_experts(model: nnx.Module) -> nnx.Module:
 
 
 class LatentMoE(nnx.Module):
-    def __init__(self, cfg: K3Config, *, dtype: jnp.dtype, rngs: nnx.Rngs, implementation: str = "auto") -> None:
+    """Router, latent routed experts and shared experts. `kernels.moe` picks the routed experts'
+    implementation (an entry of `pallas_kernels.moe.IMPLEMENTATIONS`, or None for its policy)."""
+
+    def __init__(self, cfg: K3Config, *, dtype: jnp.dtype, rngs: nnx.Rngs, kernels: Kernels = Kernels()) -> None:
         d, latent = cfg.hidden_size, cfg.routed_expert_hidden_size
         self.gate = RouterGate(d, cfg.num_experts, dtype=dtype, rngs=rngs)
         self.routed_expert_down_proj = Linear(d, latent, dtype=dtype, axes=("embed_moe", "embed"), rngs=rngs)
@@ -130,7 +132,7 @@ class LatentMoE(nnx.Module):
         )
         self.top_k, self.renormalize, self.scaling = cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor
         self.beta, self.linear_beta = cfg.situ_beta, cfg.situ_linear_beta
-        self.implementation = implementation
+        self.kernels = kernels  # static: part of the model's structure
         # Set by `sharding.shard_model` when the mesh splits experts: routed experts then run
         # expert-parallel under shard_map (sharding/expert_parallel.py) instead of through GSPMD.
         self.expert_mesh: Mesh | None = None
@@ -145,12 +147,10 @@ class LatentMoE(nnx.Module):
         w1, w2, w3 = self.experts.w1[...], self.experts.w2[...], self.experts.w3[...]
         if self.expert_mesh is None:
             mixed = routed_experts(latent_in, w1, w2, w3, weights, ids, beta=self.beta, linear_beta=self.linear_beta,
-                                   implementation=self.implementation)
+                                   implementation=self.kernels.moe)
         else:
-            from sharding.expert_parallel import ep_routed_experts  # noqa: PLC0415 (sharding imports this module)
-
             mixed = ep_routed_experts(latent_in, w1, w2, w3, weights, ids, mesh=self.expert_mesh, beta=self.beta,
-                                      linear_beta=self.linear_beta, implementation=self.implementation)
+                                      linear_beta=self.linear_beta, implementation=self.kernels.moe)
         mixed = mixed.astype(x.dtype)
         if self.routed_expert_norm is not None:
             mixed = self.routed_expert_norm(mixed)

@@ -1,7 +1,6 @@
 """Which regime a routed batch is in, from static shapes only (group sizes are data).
 
-Shared by the tile choice (pallas_grouped_gemm.py) and the entry point (api.py), which must not import
-Pallas on its default paths.
+Shared by the Triton tile choice (`triton/tiles.py`) and the "pallas_gpu" kernel plan (`pallas_gpu.py`).
 """
 
 from __future__ import annotations

@@ -1,55 +1,35 @@
-"""Pure-JAX routed-expert computation: the oracle and the XLA production path.
+"""Pure-JAX routed experts: the oracles and the XLA production path.
 
-Both compute, per token n, sum_j weights[n, j] * E_{ids[n, j]}(x[n]) in fp32, with
+The op, per token n: sum_j weights[n, j] * E_{ids[n, j]}(x[n]) in fp32, with
 E_e(x) = w2_e @ SiTU(w1_e @ x, w3_e @ x). Expert weights keep the release layout [E, out, in].
+
+Every implementation runs the same three steps: sort the N*k (token, expert) pairs by expert
+(`sort_by_expert`), run the SiTU-GLU MLP on the rows grouped by expert (a backend's grouped MLP:
+here `grouped_mlp_ragged_dot` and the all-experts oracle `grouped_mlp_dense`), and sum each token's
+outputs weighted by its routing weights in fp32 (`combine_by_token`). Expert parallelism runs the
+middle step on each device's local experts.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.mxfp4 import MXFP4Experts, decode_experts
 from pallas_kernels.precision import exact_if_fp32
 
 F32 = jnp.float32
-
-
-class MXFP4Experts(NamedTuple):
-    """Routed-expert weights kept MXFP4-packed, as the release stores them (4.25 bits per weight).
-
-    packed: uint8 [..., E, out, in/2], two E2M1 codes per byte (even input column in the low nibble);
-    scale: uint8 [..., E, out, in/32], raw E8M0 bytes (2^(byte - 127)) per block of 32 inputs.
-    """
-
-    packed: jax.Array
-    scale: jax.Array
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The decoded shape [..., E, out, in]."""
-        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
-
-    def decode(self, dtype) -> jax.Array:
-        """E2M1(code) * 2^(scale - 127) in float32, cast to `dtype` (exact for bf16 and fp32: E2M1 has one
-        mantissa bit). Under jit this is an elementwise op XLA fuses into the producer of the GEMM operand."""
-        # here, not at the top: pallas_kernels must not import k3jax at import time (k3jax imports it)
-        from k3jax.checkpoint.mxfp4 import decode_mxfp4_jax  # noqa: PLC0415
-
-        return decode_mxfp4_jax(self.packed, self.scale, dtype)
-
-
-def decode_experts(w: "jax.Array | MXFP4Experts", dtype) -> jax.Array:
-    """Expert weights as a dense [E, out, in] array of `dtype`; dense arrays pass through unchanged."""
-    return w.decode(dtype) if isinstance(w, MXFP4Experts) else w
+Weights = jax.Array | MXFP4Experts
 
 # x [M, in] against w [E, out, in] with rows of x grouped by expert: contract x's dim 1 with w's dim 2.
-_RAGGED_DIMS = jax.lax.RaggedDotDimensionNumbers(
+RAGGED_DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
 )
+# a grouped product: (rows [M, in], weights [E, out, in], group sizes [E]) -> fp32 [M, out]
+GroupedProduct = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float | None) -> jax.Array:
@@ -74,45 +54,72 @@ def combine_by_token(outs: jax.Array, pair_weights: jax.Array, token_of: jax.Arr
     return jnp.zeros((num_tokens, outs.shape[-1]), F32).at[token_of].add(weighted)
 
 
-def experts_all_dense(
-    x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, weights: jax.Array, ids: jax.Array,
+def ragged_dot(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """rows [M, in] grouped by expert times w [E, out, in] -> fp32 [M, out] (`lax.ragged_dot_general`;
+    rows past sum(group_sizes) come out zero)."""
+    return jax.lax.ragged_dot_general(rows, w, group_sizes, RAGGED_DIMS, preferred_element_type=F32,
+                                      precision=exact_if_fp32(rows.dtype))
+
+
+def grouped_mlp_ragged_dot(
+    rows: jax.Array, group_sizes: jax.Array, w1: Weights, w2: Weights, w3: Weights,
+    *, beta: float, linear_beta: float | None, product: GroupedProduct = ragged_dot,
+) -> jax.Array:
+    """SiTU-GLU of rows grouped by expert -> fp32 [M, out] (the down product's accumulator; callers
+    round it to rows.dtype, after any sum over devices). Gate and up are rounded to rows.dtype before
+    the SiTU, its output is the down product's operand. MXFP4 weights are decoded to rows.dtype
+    first. `product` replaces the grouped GEMM (the memory stand-in)."""
+    dtype = rows.dtype
+    w1, w2, w3 = (decode_experts(w, dtype) for w in (w1, w2, w3))
+    hidden = situ(product(rows, w1, group_sizes).astype(dtype), product(rows, w3, group_sizes).astype(dtype),
+                  beta, linear_beta)
+    return product(hidden, w2, group_sizes)
+
+
+def grouped_mlp_dense(
+    rows: jax.Array, group_sizes: jax.Array, w1: Weights, w2: Weights, w3: Weights,
     *, beta: float, linear_beta: float | None,
 ) -> jax.Array:
-    """Every expert on every token, then a masked weighted sum: the test oracle (tiny configs only).
+    """Every expert on every row, then each row's own expert picked: the oracle of the grouped MLP
+    (tiny configs only). -> [M, out] in rows.dtype; rows past sum(group_sizes) come out zero."""
+    dtype = rows.dtype
+    w1, w2, w3 = (decode_experts(w, dtype) for w in (w1, w2, w3))
+    num_experts = w1.shape[0]
+    expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows.shape[0]), side="right")
+    outs = _all_experts(rows, w1, w2, w3, beta, linear_beta)  # [M, E, out]
+    picked = jnp.take_along_axis(outs, jnp.minimum(expert, num_experts - 1)[:, None, None], axis=1)[:, 0]
+    return jnp.where((expert < num_experts)[:, None], picked, jnp.zeros_like(picked))
 
-    x [N, in]; w1, w3 [E, F, in]; w2 [E, in_out, F]; weights [N, k] fp32; ids [N, k] -> [N, out] fp32.
-    """
+
+def _all_experts(x, w1, w2, w3, beta, linear_beta) -> jax.Array:
+    """Every expert's SiTU-GLU of every row of x [N, in] -> [N, E, out] in x.dtype."""
     dtype = x.dtype
     mm = functools.partial(jnp.einsum, preferred_element_type=F32, precision=exact_if_fp32(dtype))
     gate = mm("ni,efi->nef", x, w1).astype(dtype)
     up = mm("ni,efi->nef", x, w3).astype(dtype)
     hidden = situ(gate, up, beta, linear_beta)
-    outs = mm("nef,eof->neo", hidden, w2).astype(dtype)  # [N, E, out]
+    return mm("nef,eof->neo", hidden, w2).astype(dtype)
+
+
+def experts_all_dense(
+    x: jax.Array, w1: Weights, w2: Weights, w3: Weights, weights: jax.Array, ids: jax.Array,
+    *, beta: float, linear_beta: float | None,
+) -> jax.Array:
+    """Every expert on every token, then a masked weighted sum: the test oracle of the whole op (tiny
+    configs only). x [N, in]; w1, w3 [E, F, in]; w2 [E, out, F]; weights [N, k] fp32; ids [N, k] ->
+    [N, out] fp32."""
+    w1, w2, w3 = (decode_experts(w, x.dtype) for w in (w1, w2, w3))
+    outs = _all_experts(x, w1, w2, w3, beta, linear_beta)
     dense_weights = jnp.zeros(outs.shape[:2], F32).at[jnp.arange(x.shape[0])[:, None], ids].add(weights)
     return jnp.einsum("ne,neo->no", dense_weights, outs.astype(F32), precision=jax.lax.Precision.HIGHEST)
 
 
 def experts_ragged_dot(
-    x: jax.Array, w1: jax.Array, w2: jax.Array, w3: jax.Array, weights: jax.Array, ids: jax.Array,
-    *, beta: float, linear_beta: float | None, gate_up: Callable[..., jax.Array] | None = None,
-    down: Callable[..., jax.Array] | None = None,
+    x: jax.Array, w1: Weights, w2: Weights, w3: Weights, weights: jax.Array, ids: jax.Array,
+    *, beta: float, linear_beta: float | None,
 ) -> jax.Array:
-    """Dropless: sort the N*k (token, expert) pairs by expert and run grouped GEMMs with lax.ragged_dot.
-
-    `gate_up(rows, w1, w3, group_sizes)` may replace the gate/up GEMMs + SiTU with a fused kernel and
-    `down(hidden, w2, group_sizes)` the down GEMM (the Mosaic-TPU kernels); sorting and the combine stay
-    as here."""
+    """Dropless: sort the N*k (token, expert) pairs by expert, run grouped GEMMs with lax.ragged_dot,
+    combine in fp32 -> [N, out] fp32. The reference of `routed_experts` (its "xla" implementation)."""
     order, token_of, group_sizes = sort_by_expert(ids, w1.shape[0])
-    rows = x[token_of]  # [N*k, in], grouped by expert
-
-    def grouped(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-        out = jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DIMS, preferred_element_type=F32,
-                                         precision=exact_if_fp32(x.dtype))
-        return out.astype(x.dtype)
-
-    if gate_up is None:
-        hidden = situ(grouped(rows, w1), grouped(rows, w3), beta, linear_beta)
-    else:
-        hidden = gate_up(rows, w1, w3, group_sizes).astype(x.dtype)
-    outs = grouped(hidden, w2) if down is None else down(hidden, w2, group_sizes)
-    return combine_by_token(outs, weights.reshape(-1)[order], token_of, ids.shape[0])
+    outs = grouped_mlp_ragged_dot(x[token_of], group_sizes, w1, w2, w3, beta=beta, linear_beta=linear_beta)
+    return combine_by_token(outs.astype(x.dtype), weights.reshape(-1)[order], token_of, ids.shape[0])

@@ -19,11 +19,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe.reference import experts_ragged_dot
+from pallas_kernels.mxfp4 import MXFP4Experts, encode_mxfp4
+from pallas_kernels.platform import current_platform, target
 from sharding import make_mesh
+from sharding.expert_exchange import resolve_exchange
 from sharding.expert_parallel import RAGGED_GPU_FLAG, dispatch_bytes_per_token, ep_routed_experts, resolve_strategy
 from tests.conftest import rel_rms
 
-CPU = jax.default_backend() == "cpu"
+CPU = current_platform() == "cpu"
 needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (jax_num_cpu_devices=8 on CPU)")
 
 MESHES = ["expert=8", "data=2,expert=4", "data=2,expert=2,tensor=2"]
@@ -122,7 +125,7 @@ def test_layout_and_auto_choice():
 
 
 @pytest.mark.skipif(CPU, reason="XLA:CPU has no ragged-all-to-all (jax 0.11.2: UNIMPLEMENTED in ThunkEmitter)")
-@pytest.mark.skipif(jax.default_backend() == "gpu" and RAGGED_GPU_FLAG not in os.environ.get("XLA_FLAGS", ""),
+@pytest.mark.skipif(current_platform() == "gpu" and RAGGED_GPU_FLAG not in os.environ.get("XLA_FLAGS", ""),
                     reason=f"GPU ragged exchange needs XLA_FLAGS={RAGGED_GPU_FLAG} (see expert_parallel.py)")
 def test_ragged_all_to_all_exchange():
     """The real `ragged_all_to_all` exchange, forward and gradients (GPU/TPU, expert over all devices).
@@ -175,7 +178,7 @@ def test_ragged_exchange_offsets_on_cpu(mesh_spec, monkeypatch):
 @needs8
 @pytest.mark.parametrize("mesh_spec", ["expert=8", "data=2,expert=2,tensor=2"])
 def test_pallas_local_experts(mesh_spec):
-    """implementation="pallas": each device's local experts run on the Pallas grouped GEMMs (interpret mode
+    """implementation="pallas_gpu": each device's local experts run on the Pallas grouped GEMMs (interpret mode
     here), forward and gradients, every strategy. The kernel computes the same fp32 row products as
     ragged_dot; only the SiTU's sigmoid is written differently (1 / (1 + e^-g)), a few ulp. With F split
     over `tensor` the partial down projections are handed over in x's dtype, fp32 here, so the bound
@@ -183,24 +186,21 @@ def test_pallas_local_experts(mesh_spec):
     mesh = make_mesh(mesh_spec)
     args = problem(37, "random", seed=3)
     for strategy in STRATEGIES:
-        close(run(mesh, strategy, implementation="pallas")(*args), reference(*args))
+        close(run(mesh, strategy, implementation="pallas_gpu")(*args), reference(*args))
     ct = jnp.asarray(np.random.default_rng(4).normal(size=(37, D)).astype(np.float32))
-    check_gradients(mesh, args, ct, [dict(strategy=strategy, implementation="pallas") for strategy in STRATEGIES])
+    check_gradients(mesh, args, ct, [dict(strategy=strategy, implementation="pallas_gpu") for strategy in STRATEGIES])
 
 
 @needs8
-@pytest.mark.parametrize(("strategy", "implementation"), [(s, "pallas") for s in STRATEGIES] + [("decode", "xla")])
+@pytest.mark.parametrize(("strategy", "implementation"), [(s, "pallas_gpu") for s in STRATEGIES] + [("decode", "xla")])
 def test_mxfp4_experts(strategy, implementation, monkeypatch):
     """MXFP4 experts of a decode-sized batch (37 tokens x top-4 over 16 experts) stay packed into each
     device's Pallas kernels, with F split over `tensor` (each shard holds one 32-input scale block of
     w2); the XLA local experts get them decoded. Either way the same values as the reference on the
     decoded weights (the tile decode is exact)."""
-    from k3jax.checkpoint.mxfp4 import encode_mxfp4
-    from pallas_kernels.moe.reference import MXFP4Experts
-    from sharding import expert_parallel
-
     decoded = []
-    monkeypatch.setattr(expert_parallel, "decode_experts", lambda w, dtype: decoded.append(w) or w.decode(dtype))
+    real_decode = MXFP4Experts.decode
+    monkeypatch.setattr(MXFP4Experts, "decode", lambda w, dtype: decoded.append(w) or real_decode(w, dtype))
     r = np.random.default_rng(5)
     f = 64  # F a multiple of 32 x tensor, so w2's scale blocks split over the two tensor shards
     packed = [MXFP4Experts(*map(jnp.asarray, encode_mxfp4(r.normal(size=shape) * std)))
@@ -208,13 +208,13 @@ def test_mxfp4_experts(strategy, implementation, monkeypatch):
     x, _, _, _, weights, ids = problem(37, "random", seed=6)
     mesh = make_mesh("data=2,expert=2,tensor=2")
     got = run(mesh, strategy, implementation=implementation)(x, *packed, weights, ids)
+    assert len(decoded) == (0 if implementation == "pallas_gpu" else 3)
     close(got, reference(x, *(w.decode(jnp.float32) for w in packed), weights, ids))
-    assert len(decoded) == (0 if implementation == "pallas" else 3)
 
 
 def test_unknown_implementation_is_named():
     mesh = make_mesh(f"expert={jax.device_count()}")
-    with pytest.raises(ValueError, match="implementation='triton'"):
+    with pytest.raises(ValueError, match="implementation 'triton' is unknown"):
         ep_routed_experts(*problem(4, "random"), mesh=mesh, beta=BETA, linear_beta=LINEAR_BETA,
                           implementation="triton")
 
@@ -222,9 +222,8 @@ def test_unknown_implementation_is_named():
 def test_ragged_exchange_on_gpu_demands_the_decomposer_flag(monkeypatch):
     """Without the flag the GPU ragged exchange runs XLA's slow, bug-prone default lowering: it must refuse."""
     mesh = make_mesh(f"expert={jax.device_count()}")
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-    with pytest.raises(ValueError, match="xla_gpu_unsupported_enable_ragged_all_to_all_decomposer"):
+    with target("gpu"), pytest.raises(ValueError, match="xla_gpu_unsupported_enable_ragged_all_to_all_decomposer"):
         ep_routed_experts(*problem(8, "random"), mesh=mesh, beta=BETA, linear_beta=LINEAR_BETA,
                           strategy="all_to_all", exchange="ragged", implementation="xla")
 
@@ -244,8 +243,6 @@ def test_ragged_exchange_gradient_lowers_with_the_real_collective():
     ("cpu", "", "padded"), ("gpu", "", "padded"), ("gpu", RAGGED_GPU_FLAG, "ragged"), ("tpu", "", "ragged")])
 def test_auto_exchange_per_platform(monkeypatch, backend, flags, want):
     """exchange="auto": the ragged collective where it runs well (TPU; GPU with XLA's decomposer)."""
-    from sharding.expert_parallel import _resolve_exchange
-
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
     monkeypatch.setenv("XLA_FLAGS", flags)
-    assert _resolve_exchange("auto") == want
+    with target(backend):
+        assert resolve_exchange("auto") == want

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.moe.epilogue import situ_f32
+
 F32 = jnp.float32
 I32 = jnp.int32
 
@@ -94,10 +96,7 @@ def _kernel(tile_ref, exp_ref, lo_ref, hi_ref, flags_ref, x_ref, *refs, block_m:
 
     def _epilogue():
         if fused:
-            g, u = accs[0][...], accs[1][...]
-            gate = beta * jnp.tanh(g * (1.0 / beta)) * (1.0 / (1.0 + jnp.exp(-g)))
-            up = u if linear_beta is None else linear_beta * jnp.tanh(u * (1.0 / linear_beta))
-            h = (gate * up).astype(o_ref.dtype)
+            h = situ_f32(accs[0][...], accs[1][...], beta, linear_beta).astype(o_ref.dtype)
         else:
             h = accs[0][...].astype(o_ref.dtype)
         rows = tile_ref[i] * block_m + jax.lax.broadcasted_iota(I32, h.shape, 0)

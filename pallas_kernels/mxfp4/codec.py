@@ -1,9 +1,13 @@
-"""MXFP4 (OCP microscaling, E2M1 elements + E8M0 scale per 32 inputs) decode and encode.
+"""MXFP4 (OCP microscaling: E2M1 elements, one E8M0 scale per BLOCK inputs) encode and decode.
 
 Layout of the K3 release (compressed-tensors ``mxfp4-pack-quantized``): ``weight_packed`` is uint8
 [..., in/2] with the even input column in the low nibble and the odd one in the high nibble;
-``weight_scale`` is uint8 [..., in/32] holding raw E8M0 bytes, value 2^(byte - 127).
+``weight_scale`` is uint8 [..., in/BLOCK] holding raw E8M0 bytes, value 2^(byte - 127).
 Leading axes (e.g. stacked experts) are allowed and must agree between the two arrays.
+
+Two decoders: ``decode_mxfp4`` on the host (numpy, for loaders: table lookups, exact, with errors
+that name what is wrong) and ``decode_mxfp4_jax`` (jit-friendly, for the model and the kernels'
+references). The kernels' own in-register decodes are in ``layouts.py``.
 """
 
 from __future__ import annotations
@@ -12,16 +16,21 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-BLOCK = 32
+BLOCK = 32  # inputs per E8M0 scale byte
 E2M1_MAX_EXP = 2  # 6 = 1.5 * 2^2: largest E2M1 exponent, the OCP shared-exponent offset
-_SCALE_NAN = 255
+SCALE_NAN = 255  # the E8M0 NaN byte
 
-# E2M1 codes 0..15, decoded once by ml_dtypes; the jax decoder gathers from this table.
-_E2M1_LUT = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+# ml_dtypes' own decodings: the E2M1 values of a byte's two codes (low nibble first) and every E8M0 byte.
+_CODE_VALUES = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+_PAIR_VALUES = np.stack([_CODE_VALUES[np.arange(256) & 0x0F], _CODE_VALUES[np.arange(256) >> 4]], axis=-1)
+# the same pairs as one uint64 per byte: `np.take` on a 1-D table is several times faster than
+# numpy's fancy indexing of a [256, 2] one
+_PAIR_VALUES_64 = np.ascontiguousarray(_PAIR_VALUES).view(np.uint64).reshape(256)
+_SCALE_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
 
 
-def _check(packed, scale) -> None:
-    """Reject arrays that cannot be a packed/scale pair, naming both shapes."""
+def check_mxfp4(packed, scale) -> None:
+    """Reject arrays that cannot be a packed/scale pair, naming both shapes (numpy, jax or abstract arrays)."""
     if packed.dtype != np.uint8 or scale.dtype != np.uint8:
         raise ValueError(
             f"MXFP4 packed and scale must be uint8, got {packed.dtype} {tuple(packed.shape)} "
@@ -44,21 +53,26 @@ def decode_mxfp4(packed: np.ndarray, scale: np.ndarray, *, dtype=np.float32) -> 
 
     Products are formed in float32 (float64 when that is requested), where every product is exact
     (subnormals included) except those of 2^128 or more (|value| >= 4 at scale byte 253, >= 2 at
-    254), which overflow to inf; the result is then cast to ``dtype``.
+    254), which overflow to inf; the result is then cast to ``dtype``. MXFP4 values have at most
+    two significant bits, so the cast to bfloat16 is exact too (the top half of the float32 bits).
     """
     packed, scale = np.asarray(packed), np.asarray(scale)
-    _check(packed, scale)
-    if np.any(scale == _SCALE_NAN):
-        rows = np.argwhere(scale == _SCALE_NAN)[:3].tolist()
+    check_mxfp4(packed, scale)
+    if np.any(scale == SCALE_NAN):
+        rows = np.argwhere(scale == SCALE_NAN)[:3].tolist()
         raise ValueError(f"MXFP4 scale {tuple(scale.shape)} holds the E8M0 NaN byte 255 at {rows}")
-    codes = np.empty(packed.shape[:-1] + (2 * packed.shape[-1],), np.uint8)
-    codes[..., 0::2] = packed & 0x0F
-    codes[..., 1::2] = packed >> 4
-    work = np.float64 if np.dtype(dtype) == np.float64 else np.float32
-    values = codes.view(ml_dtypes.float4_e2m1fn).astype(work)
-    factor = scale.view(ml_dtypes.float8_e8m0fnu).astype(work)
-    blocks = values.reshape(scale.shape + (BLOCK,)) * factor[..., None]
-    return blocks.reshape(codes.shape).astype(dtype)
+    shape = (*packed.shape[:-1], 2 * packed.shape[-1])
+    if np.dtype(dtype) == np.float64:
+        values = _PAIR_VALUES.astype(np.float64)[packed].reshape(*scale.shape, BLOCK)
+        factor = _SCALE_VALUES.astype(np.float64)[scale]
+    else:
+        values = np.take(_PAIR_VALUES_64, packed).view(np.float32).reshape(*scale.shape, BLOCK)
+        factor = np.take(_SCALE_VALUES, scale)
+    with np.errstate(over="ignore"):  # the documented overflow to inf
+        values = (values * factor[..., None]).reshape(shape)
+    if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16) and values.dtype == np.float32:
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
+    return values.astype(dtype)
 
 
 def decode_mxfp4_jax(packed, scale, dtype=jnp.float32):
@@ -71,14 +85,14 @@ def decode_mxfp4_jax(packed, scale, dtype=jnp.float32):
     zero.
     """
     packed, scale = jnp.asarray(packed), jnp.asarray(scale)
-    _check(packed, scale)
+    check_mxfp4(packed, scale)
     codes = jnp.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(
         packed.shape[:-1] + (2 * packed.shape[-1],)
     )
-    values = jnp.asarray(_E2M1_LUT)[codes]
+    values = jnp.asarray(_CODE_VALUES)[codes]
     s = scale.astype(jnp.uint32)
     bits = jnp.where(s == 0, jnp.uint32(1 << 22), s << 23)  # byte 0 is the subnormal 2^-127
-    bits = jnp.where(s == _SCALE_NAN, jnp.uint32(0x7FC00000), bits)
+    bits = jnp.where(s == SCALE_NAN, jnp.uint32(0x7FC00000), bits)
     factor = bits.view(jnp.float32)
     blocks = values.reshape(scale.shape + (BLOCK,)) * factor[..., None]
     return blocks.reshape(codes.shape).astype(dtype)
@@ -87,7 +101,7 @@ def decode_mxfp4_jax(packed, scale, dtype=jnp.float32):
 def encode_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Quantise [..., in] weights with the OCP rule; returns (packed uint8, scale uint8).
 
-    Shared exponent e = floor(log2(amax of the 32-block)) - 2, clamped to [-127, 127]; elements
+    Shared exponent e = floor(log2(amax of the block)) - 2, clamped to [-127, 127]; elements
     x / 2^e are cast to E2M1 by ml_dtypes (round to nearest even, saturating at +-6). The input is
     taken as float32 first because ml_dtypes casts float64 to E2M1 through float32 (double rounding
     near E2M1 ties); x / 2^e of a float32 is exact, so the one rounding is the E2M1 cast.

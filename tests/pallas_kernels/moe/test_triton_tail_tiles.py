@@ -1,4 +1,4 @@
-"""Two row-tile heights (TileConfig.tail_m) in the Pallas grouped GEMMs, interpret mode on CPU.
+"""Two row-tile heights (TileConfig.tail_m) in the Triton grouped GEMMs, interpret mode on CPU.
 
 An expert's last row tile runs at tail_m rows when it holds at most that many, instead of block_m. The
 work table is unchanged (tiles never straddle experts; the remainder tile already starts at the expert's
@@ -19,10 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.checkpoint.mxfp4 import encode_mxfp4
-from pallas_kernels.moe import MXFP4Experts
-from pallas_kernels.moe import pallas_grouped_gemm as pg
-from pallas_kernels.moe.reference import _RAGGED_DIMS, situ
+from pallas_kernels.moe import triton as pg
+from pallas_kernels.moe.reference import RAGGED_DIMS, situ
+from pallas_kernels.mxfp4 import MXFP4Experts, encode_mxfp4
 from tests.pallas_kernels.h200_lowering import lowered_for_h200
 
 F32 = jnp.float32
@@ -43,7 +42,7 @@ def rel(a, b) -> float:
 
 
 def ragged_f32(x, w, gs):
-    return jax.lax.ragged_dot_general(x, w, gs, _RAGGED_DIMS, preferred_element_type=F32)
+    return jax.lax.ragged_dot_general(x, w, gs, RAGGED_DIMS, preferred_element_type=F32)
 
 
 def operands():
@@ -82,7 +81,7 @@ def test_mma_rows(sizes: list[int], tail_m: int | None, want: int, want_merged: 
 ])
 def test_merged_schedule_row_ranges(sizes: list[int], want: list[list[int]]) -> None:
     """The merged table at block_m 64, tail 16: each expert cut the cheaper of two ways (_row_tiling)."""
-    table = np.asarray(pg._schedule(jnp.asarray(sizes, jnp.int32), M, 64, 1, merge_rows=16))
+    table = np.asarray(pg.schedule(jnp.asarray(sizes, jnp.int32), M, 64, 1, merge_rows=16))
     active = table[table[:, 0] < table[:, 1]]
     assert active[:, :3].tolist() == want
 

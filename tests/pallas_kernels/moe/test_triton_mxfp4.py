@@ -1,6 +1,6 @@
-"""MXFP4 weights decoded inside the Pallas grouped GEMMs (interpret mode on CPU) vs decode-then-reference.
+"""MXFP4 weights decoded inside the Triton grouped GEMMs (interpret mode on CPU) vs decode-then-reference.
 
-Ground truth for the decode is `k3jax.checkpoint.mxfp4.decode_mxfp4_jax`; for the GEMMs, `lax.ragged_dot` on
+Ground truth for the decode is `pallas_kernels.mxfp4.decode_mxfp4_jax`; for the GEMMs, `lax.ragged_dot` on
 the decoded weights. Tolerances: the in-kernel decode is exact (compared bit for bit), and a bf16 x bf16
 product is exact in fp32, so the kernels differ from the reference only in the fp32 summation order of the
 K loop (a few fp32 ulps, ~1e-7 relative; SiTU adds a few more): rel <= 1e-5 leaves two orders of margin
@@ -17,13 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.checkpoint.mxfp4 import decode_mxfp4_jax, encode_mxfp4
-from pallas_kernels.moe import MXFP4Experts, experts_ragged_dot, routed_experts
-from pallas_kernels.moe import pallas_grouped_gemm as pg
-from pallas_kernels.moe.mxfp4_tile import decode_tile
-from pallas_kernels.moe.pallas_experts import experts_pallas
-from pallas_kernels.moe.reference import _RAGGED_DIMS, situ
+from pallas_kernels.moe import experts_ragged_dot, routed_experts
+from pallas_kernels.moe import triton as pg
+from pallas_kernels.moe.reference import RAGGED_DIMS, situ
+from pallas_kernels.mxfp4 import MXFP4Experts, decode_mxfp4_jax, decode_tile, encode_mxfp4
 from tests.pallas_kernels.h200_lowering import lowered_for_h200
+from tests.pallas_kernels.moe.routed import pallas_gpu_experts
 
 F32 = jnp.float32
 M, E = 200, 5
@@ -46,7 +45,7 @@ def packed_experts(rng, shape, std: float) -> MXFP4Experts:
 
 
 def ragged_f32(x, w, gs):
-    return jax.lax.ragged_dot_general(x, w, gs, _RAGGED_DIMS, preferred_element_type=F32)
+    return jax.lax.ragged_dot_general(x, w, gs, RAGGED_DIMS, preferred_element_type=F32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,7 +150,7 @@ def test_routed_experts_packed_pallas_matches_decoded_xla(name: str) -> None:
     x, w1, w2, w3, weights, ids = expert_case(**CASES[name])
     run = lambda impl: jax.jit(functools.partial(  # noqa: E731
         routed_experts, beta=4.0, linear_beta=25.0, implementation=impl))(x, w1, w2, w3, weights, ids)
-    out, ref = run("pallas"), run("xla")
+    out, ref = run("pallas_gpu"), run("xla")
     assert out.shape == ref.shape and out.dtype == F32
     assert rel(out, ref) <= 1e-5  # fp32 x and exact decodes on both sides: summation order only
 
@@ -160,12 +159,11 @@ def test_routed_experts_packed_pallas_matches_decoded_xla(name: str) -> None:
 def test_pallas_keeps_weights_packed_only_for_decode_sized_batches(name: str, packed_in_kernel: bool,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """111 routed rows over 8 experts (decode-sized) reach the kernels packed; 300 rows are decoded first."""
-    from pallas_kernels.moe import api
-
     decoded = []
-    monkeypatch.setattr(api, "decode_experts", lambda w, dtype: decoded.append(w) or w.decode(dtype))
+    real_decode = MXFP4Experts.decode
+    monkeypatch.setattr(MXFP4Experts, "decode", lambda w, dtype: decoded.append(w) or real_decode(w, dtype))
     x, w1, w2, w3, weights, ids = expert_case(**CASES[name])
-    api.routed_experts(x, w1, w2, w3, weights, ids, beta=4.0, linear_beta=25.0, implementation="pallas")
+    routed_experts(x, w1, w2, w3, weights, ids, beta=4.0, linear_beta=25.0, implementation="pallas_gpu")
     assert len(decoded) == (0 if packed_in_kernel else 3)
 
 
@@ -185,7 +183,7 @@ def test_packed_grads_flow_to_x_only() -> None:
     x, w1, w2, w3, weights, ids = expert_case(**CASES["k_not_tile_multiple"])
     cot = jax.random.normal(jax.random.key(1), (x.shape[0], w2.shape[1]), F32)
     small = pg.TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)  # fitted to 32 for packed
-    pallas = functools.partial(experts_pallas, w1=w1, w2=w2, w3=w3, beta=4.0, linear_beta=25.0, interpret=True,
+    pallas = functools.partial(pallas_gpu_experts, w1=w1, w2=w2, w3=w3, beta=4.0, linear_beta=25.0,
                                gate_up_cfg=small, down_cfg=small, bwd_cfg=small)
     dense = [w.decode(F32) for w in (w1, w2, w3)]
     xla = lambda x_, r_, ids_: experts_ragged_dot(x_, *dense, r_, ids_, beta=4.0, linear_beta=25.0)  # noqa: E731
@@ -218,51 +216,23 @@ def test_packed_kernels_lower_to_triton_for_cuda(which: str, weights_lhs: bool) 
     # beyond a few bytes); that needs the triton package, which this environment does not install.
 
 
-def test_routed_path_with_default_configs_lowers_for_cuda() -> None:
-    """experts_pallas on packed K3 experts (E=28, 2048 tokens x top-8) with its default tiles, compiled
-    path: packed weights all the way, no decoded copy of the layer."""
+@pytest.mark.parametrize("tokens", [2048, 32])
+def test_routed_path_lowers_for_cuda_with_packed_experts(tokens: int) -> None:
+    """routed_experts on packed K3 experts (E=28, top-8) as the H200 would compile it. 2048 tokens (585
+    rows per expert): gate+up in the Mosaic GPU kernel that decodes the packed gate and up weights in
+    registers (no decoded copy of them), the down projection on the decoded w2 in Mosaic GPU. 32 tokens
+    (decode-sized): both products in the Triton kernels' tile decode, no decoded copy of any weight."""
     sds = jax.ShapeDtypeStruct
     packed = lambda n, k: MXFP4Experts(sds((28, n, k // 2), jnp.uint8), sds((28, n, k // 32), jnp.uint8))  # noqa: E731
-    args = (sds((2048, 3584), jnp.bfloat16), packed(3072, 3584), packed(3584, 3072), packed(3072, 3584),
-            sds((2048, 8), F32), sds((2048, 8), jnp.int32))
-    fn = functools.partial(experts_pallas, beta=4.0, linear_beta=25.0, interpret=False)
+    args = (sds((tokens, 3584), jnp.bfloat16), packed(3072, 3584), packed(3584, 3072), packed(3072, 3584),
+            sds((tokens, 8), F32), sds((tokens, 8), jnp.int32))
+    fn = functools.partial(routed_experts, beta=4.0, linear_beta=25.0, implementation="pallas_gpu")
     text = lowered_for_h200(fn, *args)
-    assert "k3_moe_gate_up_situ_mxfp4_mgpu" in text  # gate+up: Mosaic GPU, decoded in registers
-    assert text.count("__gpu$xla.gpu.triton") == 1  # down: the Triton kernel's tile decode
-    assert "28x3072x3584xbf16" not in text and "28x3584x3072xbf16" not in text  # no decoded weight copy
-
-
-# ---- fragment order: x's columns permuted so each GPU thread reads its packed bytes contiguously ----------
-
-
-def test_fragment_order_is_a_permutation_matching_the_decode() -> None:
-    from pallas_kernels.moe.mxfp4_order import fragment_order
-
-    for k, bk in ((64, 64), (192, 64), (128, 128), (96, 32)):
-        perm = fragment_order(k, bk)
-        assert sorted(perm.tolist()) == list(range(k))
-    _, w1, _ = operands(n=64, k=128)
-    tile = (w1.packed[1][:, :32], w1.scale[1][:, :2])  # one k step of 64 columns
-    got = decode_tile(*tile, F32, fragment=True)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(decode_tile(*tile, F32))[:, fragment_order(64, 64)])
-    with pytest.raises(ValueError, match="block_k=48"):
-        fragment_order(96, 48)
-
-
-@pytest.mark.parametrize("name", ["uneven", "tail_rows_zero"])
-def test_fragment_order_kernels_match_natural_order(name: str) -> None:
-    """Same products in another K order: kernels on x[:, fragment_order] equal the natural-order ones."""
-    from pallas_kernels.moe.mxfp4_order import fragment_order
-
-    x, w1, w3 = operands(n=64, k=128)
-    gs = jnp.asarray(GROUPS[name], jnp.int32)
-    cfg = pg.TileConfig(block_m=32, block_n=32, block_k=64, num_warps=4, num_stages=2, weights_lhs=True)
-    x_frag = x[:, fragment_order(128, 64)]
-    d1, d3 = w1.decode(jnp.bfloat16), w3.decode(jnp.bfloat16)
-    gate_up = pg.grouped_gate_up_situ(x_frag, w1, w3, gs, cfg=cfg, out_dtype=F32, interpret=True,
-                                      x_fragment_order=True)
-    assert rel(gate_up, situ(ragged_f32(x, d1, gs), ragged_f32(x, d3, gs), 4.0, 25.0)) <= 1e-5
-    plain = pg.grouped_matmul(x_frag, w1, gs, cfg=cfg, out_dtype=F32, interpret=True, x_fragment_order=True)
-    assert rel(plain, ragged_f32(x, d1, gs)) <= 1e-5
-    with pytest.raises(ValueError, match="x_fragment_order"):
-        pg.grouped_matmul(x_frag, d1, gs, cfg=cfg, interpret=True, x_fragment_order=True)
+    assert "28x3072x3584xbf16" not in text  # gate and up stay packed
+    if tokens == 2048:
+        assert "k3_moe_gate_up_situ_mxfp4_mgpu" in text and "k3_moe_grouped_matmul_mgpu" in text
+        assert "__gpu$xla.gpu.triton" not in text
+    else:
+        assert text.count("__gpu$xla.gpu.triton") == 2 and "mosaic_gpu_v2(" not in text
+        assert "k3_moe_gate_up_situ_mxfp4" in text and "k3_moe_grouped_matmul_mxfp4" in text
+        assert "28x3584x3072xbf16" not in text  # w2 stays packed too

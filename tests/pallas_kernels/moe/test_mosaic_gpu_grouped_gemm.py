@@ -1,4 +1,4 @@
-"""The Mosaic GPU grouped GEMMs (``mosaic_gpu_grouped_gemm.py``: gate+up with SiTU, and the plain
+"""The Mosaic GPU grouped GEMMs (``moe/mosaic_gpu/grouped_gemm.py``: gate+up with SiTU, and the plain
 down projection) in Mosaic GPU's CPU interpreter against per-expert fp32 products, their work table,
 and their lowering for an abstract H200.
 
@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe.mosaic_gpu_grouped_gemm import (
-    ALIGN, ROWS, TAIL_ROWS, _work_table, gate_up_situ_mgpu, grouped_matmul_mgpu, sm_count,
-)
+from pallas_kernels.moe import pallas_gpu
+from pallas_kernels.moe.mosaic_gpu import TAIL_ROWS, gate_up_situ_mgpu, grouped_matmul_mgpu, sm_count
+from pallas_kernels.moe.mosaic_gpu.work import ALIGN, ROWS, work_table
 from pallas_kernels.moe.reference import situ
 from tests.pallas_kernels.h200_lowering import lowered_for_h200
 
@@ -134,7 +134,7 @@ def test_work_table_covers_each_row_once(seed: int, tail_rows: int) -> None:
     e, blocks = 9, 3
     sizes = r.integers(0, 300, e) * (r.random(e) > 0.3)
     m = int(sizes.sum()) + int(r.integers(0, 50))
-    table = np.asarray(_work_table(jnp.asarray(sizes, jnp.int32), m, blocks, tail_rows=tail_rows))
+    table = np.asarray(work_table(jnp.asarray(sizes, jnp.int32), m, blocks, tail_rows=tail_rows))
     load, start, end, group, block = table.T
     expert_of_row = np.concatenate([np.repeat(np.arange(e), sizes), np.full(m - sizes.sum(), e)])
     live = end > start
@@ -207,7 +207,8 @@ def test_one_persistent_cta_per_sm_of_the_target_gpu() -> None:
     pcie = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 PCIe", num_cores=114, platform="gpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=pcie)):
         assert sm_count() == 114
-    assert sm_count() == (jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132)
+    device = jax.devices()[0]
+    assert sm_count() == (device.core_count if device.platform == "gpu" else 132)
 
 
 def test_rejects_what_it_cannot_take() -> None:
@@ -234,16 +235,14 @@ def test_expert_mlp_forward_takes_them_past_decode_sizes(experts: int) -> None:
     """The routed experts' forward on the GPU (lowered for an abstract H200, K3 widths, 16384
     rows): gate+up and down in the Mosaic GPU kernels, with merged tails at 112 experts (146 rows
     each). A decode-sized batch (256 rows) keeps both Triton kernels."""
-    from pallas_kernels.moe.pallas_experts import grouped_expert_mlp
-
     S = jax.ShapeDtypeStruct
     d, f = 3584, 3072
 
     def lowered(m: int) -> str:
         args = (S((m, d), _BF16), S((experts,), jnp.int32), S((experts, f, d), _BF16),
                 S((experts, d, f), _BF16), S((experts, f, d), _BF16))
-        return lowered_for_h200(lambda rows, gs, w1, w2, w3: grouped_expert_mlp(
-            rows, gs, w1, w2, w3, beta=4.0, linear_beta=25.0, interpret=False), *args)
+        return lowered_for_h200(lambda rows, gs, w1, w2, w3: pallas_gpu.grouped_mlp(
+            rows, gs, w1, w2, w3, beta=4.0, linear_beta=25.0), *args)
 
     text = lowered(16384)
     assert "k3_moe_gate_up_situ_mgpu" in text and "k3_moe_grouped_matmul_mgpu" in text
@@ -253,29 +252,25 @@ def test_expert_mlp_forward_takes_them_past_decode_sizes(experts: int) -> None:
     assert "mosaic_gpu_v2(" not in text and text.count("__gpu$xla.gpu.triton") == 2
 
 
+def _plan(rows: int, experts: int, *, packed: bool = False, dtype=_BF16, interpret: bool = False,
+          d: int = 3584, f: int = 3072) -> pallas_gpu.KernelPlan:
+    return pallas_gpu.plan_kernels(dtype=dtype, weight_dtype=dtype, packed=packed, num_rows=rows,
+                                   num_experts=experts, d_in=d, hidden=f, d_out=d, interpret=interpret)
+
+
 @pytest.mark.parametrize("rows, experts, tail", [(16384, 28, 0), (16384, 112, TAIL_ROWS), (256, 28, None)])
-def test_dispatch_picks_the_tail_per_group_size(rows: int, experts: int, tail: int | None) -> None:
+def test_plan_picks_the_tail_per_group_size(rows: int, experts: int, tail: int | None) -> None:
     """Both forward products take the merged tail at 112 experts (146 rows each), plain tiles at 28
-    (585), the Triton kernels at a decode-sized batch; packed weights and the interpreter never
-    take the Mosaic GPU products."""
-    from pallas_kernels.moe import pallas_grouped_gemm as pg
-    from pallas_kernels.moe.pallas_vjp import mosaic_gpu_down_tail, mosaic_gpu_gate_up_tail
-    from pallas_kernels.moe.reference import MXFP4Experts
-
-    S = jax.ShapeDtypeStruct
-    d, f = 3584, 3072
-    gate_up_cfg, down_cfg = pg.gate_up_config(rows, experts), pg.down_config(rows, experts)
-    picked = {}
-
-    def pick(x, h, w1, w2):
-        picked["gate_up"] = mosaic_gpu_gate_up_tail(x, w1, gate_up_cfg, interpret=False)
-        picked["down"] = mosaic_gpu_down_tail(h, w2, down_cfg, interpret=False)
-        picked["interpreted"] = mosaic_gpu_down_tail(h, w2, down_cfg, interpret=True)
-        return x
-
-    jax.eval_shape(pick, S((rows, d), _BF16), S((rows, f), _BF16), S((experts, f, d), _BF16),
-                   S((experts, d, f), _BF16))
-    assert picked == {"gate_up": tail, "down": tail, "interpreted": None}
-    packed = MXFP4Experts(jnp.zeros((2, 256, 64), jnp.uint8), jnp.zeros((2, 256, 4), jnp.uint8))
-    small = pg.down_config(rows, experts, mxfp4=True)
-    assert mosaic_gpu_down_tail(jnp.zeros((8, 128), _BF16), packed, small, interpret=False) is None
+    (585), the Triton kernels at a decode-sized batch; the backward's products with the forward's
+    weights take Mosaic GPU for large groups only; the interpreter, fp32 and widths that do not tile
+    its blocks never take the Mosaic GPU products."""
+    plan = _plan(rows, experts)
+    mosaic = "triton" if tail is None else "mosaic_gpu"
+    assert (plan.gate_up, plan.down) == (mosaic, mosaic)
+    if tail is not None:
+        assert plan.tail_rows == tail
+    backward = "mosaic_gpu" if tail == 0 else "triton"
+    assert (plan.recompute, plan.dh, plan.dx) == (backward,) * 3
+    for other in (_plan(rows, experts, interpret=True), _plan(rows, experts, dtype=_F32),
+                  _plan(rows, experts, d=3536)):
+        assert {other.gate_up, other.down, other.recompute, other.dh, other.dx} == {"triton"}

@@ -1,4 +1,4 @@
-"""Pallas grouped GEMMs (pallas_kernels/moe/pallas_grouped_gemm.py) in interpret mode on CPU.
+"""Triton grouped GEMMs (pallas_kernels/moe/triton/) in Pallas interpret mode on CPU.
 
 Oracles: `lax.ragged_dot` in fp32 for the grouped GEMMs, the reference SiTU on fp32 gate/up for the fused
 epilogue, and `experts_all_dense` / `experts_ragged_dot` for the whole routed-expert path. Group patterns
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe import experts_all_dense, experts_ragged_dot, routed_experts
-from pallas_kernels.moe import pallas_grouped_gemm as pg
-from pallas_kernels.moe.pallas_experts import experts_pallas
-from pallas_kernels.moe.reference import _RAGGED_DIMS, situ
+from pallas_kernels.moe import triton as pg
+from pallas_kernels.moe.reference import RAGGED_DIMS, situ
 from tests.pallas_kernels.h200_lowering import lowered_for_h200
+from tests.pallas_kernels.moe.routed import pallas_gpu_experts
 
 F32 = jnp.float32
 M, K, N, E = 200, 64, 64, 5
@@ -41,7 +41,7 @@ def rel(a, b) -> float:
 
 
 def ragged_f32(x, w, gs):
-    return jax.lax.ragged_dot_general(x, w, gs, _RAGGED_DIMS, preferred_element_type=F32)
+    return jax.lax.ragged_dot_general(x, w, gs, RAGGED_DIMS, preferred_element_type=F32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,7 +57,7 @@ def operands(m: int = M, seed: int = 0):
 def test_schedule_covers_each_row_once_per_column_block(name: str) -> None:
     gs = np.asarray(GROUPS[name])
     nb = 3
-    table = np.asarray(pg._schedule(jnp.asarray(gs, jnp.int32), M, CFG.block_m, nb))
+    table = np.asarray(pg.schedule(jnp.asarray(gs, jnp.int32), M, CFG.block_m, nb))
     assert table.shape == ((-(-M // CFG.block_m) + E) * nb, 4)
     owner = np.repeat(np.arange(E + 1), np.append(gs, M - gs.sum()))  # group of each row; E = tail
     hits = np.zeros((nb, M), int)
@@ -139,7 +139,7 @@ def expert_case(rng, n, e, k, din, f, dout, ids=None, dtype=np.float32):
 def expert_cases():
     rng = np.random.default_rng(5)
     return {
-        # widths 24 / 40 / 20 are not multiples of 16: exercises the zero padding in experts_pallas
+        # widths 24 / 40 / 20 are not multiples of 16: exercises the zero padding in pallas_gpu
         "random_odd_widths": expert_case(rng, 37, 8, 3, 24, 40, 20),
         # every token on experts 5, 1, 6: three groups hold all rows, the first, last and others are empty
         "all_same": expert_case(rng, 9, 8, 3, 32, 48, 32, ids=np.tile([5, 1, 6], (9, 1))),
@@ -150,7 +150,7 @@ def expert_cases():
 def test_routed_experts_pallas_matches_dense_oracle(name: str) -> None:
     x, w1, w2, w3, weights, ids = expert_cases()[name]
     # jit the whole path: one compile instead of one per eager op (keeps this file well under a minute)
-    pallas = jax.jit(functools.partial(routed_experts, beta=4.0, linear_beta=25.0, implementation="pallas"))
+    pallas = jax.jit(functools.partial(routed_experts, beta=4.0, linear_beta=25.0, implementation="pallas_gpu"))
     out = pallas(x, w1, w2, w3, weights, ids)
     dense = experts_all_dense(x, w1, w2, w3, weights, ids, beta=4.0, linear_beta=25.0)
     assert out.shape == dense.shape and out.dtype == F32
@@ -160,7 +160,7 @@ def test_routed_experts_pallas_matches_dense_oracle(name: str) -> None:
 def test_routed_experts_pallas_bf16_close_to_xla_path() -> None:
     rng = np.random.default_rng(6)
     x, w1, w2, w3, weights, ids = expert_case(rng, 64, 8, 4, 64, 96, 64, dtype=jnp.bfloat16)
-    out = jax.jit(functools.partial(experts_pallas, beta=4.0, linear_beta=None, interpret=True))(
+    out = jax.jit(functools.partial(pallas_gpu_experts, beta=4.0, linear_beta=None))(
         x, w1, w2, w3, weights, ids)
     xla = jax.jit(functools.partial(experts_ragged_dot, beta=4.0, linear_beta=None))(x, w1, w2, w3, weights, ids)
     f32 = [a.astype(F32) for a in (x, w1, w2, w3)]
@@ -173,7 +173,7 @@ def test_routed_experts_pallas_bf16_close_to_xla_path() -> None:
 # ---- GPU lowering, checked on CPU ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("which", ["gate_up", "gate_up_exact", "gate_up_small_groups", "down"])
+@pytest.mark.parametrize("which", ["gate_up", "gate_up_small_groups", "down"])
 def test_lowers_to_triton_for_cuda(which: str) -> None:
     """Pallas -> Triton IR for the K3 shapes and default tiles, as the H200 would compile (no GPU needed)."""
     m, h, f = 16384, 3584, 3072
@@ -184,7 +184,7 @@ def test_lowers_to_triton_for_cuda(which: str) -> None:
         fn = pg.grouped_matmul
         args = (sds((m, f), jnp.bfloat16), sds((experts, h, f), jnp.bfloat16), gs)
     else:
-        fn = functools.partial(pg.grouped_gate_up_situ, approx_situ=which != "gate_up_exact")
+        fn = pg.grouped_gate_up_situ
         w = sds((experts, f, h), jnp.bfloat16)
         args = (sds((m, h), jnp.bfloat16), w, w, gs)
     text = lowered_for_h200(fn, *args)

@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from k3jax.config import K3Config  # noqa: E402
+from k3jax.kernels import Kernels  # noqa: E402
 from k3jax.nn.moe import LatentMoE, route_topk  # noqa: E402
 from pallas_kernels.moe import experts_all_dense, experts_ragged_dot, routed_experts  # noqa: E402
 
@@ -153,7 +154,7 @@ def test_experts_dense_oracle_matches_ragged_dot_and_numpy(name: str) -> None:
 
 def test_routed_experts_dispatch() -> None:
     x, w1, w2, w3, weights, ids = (jnp.asarray(a) for a in EXPERT_CASES["random"])
-    auto = routed_experts(x, w1, w2, w3, weights, ids, beta=B1, linear_beta=B2, implementation="auto")
+    auto = routed_experts(x, w1, w2, w3, weights, ids, beta=B1, linear_beta=B2, implementation=None)
     xla = routed_experts(x, w1, w2, w3, weights, ids, beta=B1, linear_beta=B2, implementation="xla")
     dense = routed_experts(x, w1, w2, w3, weights, ids, beta=B1, linear_beta=B2, implementation="dense")
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))
@@ -163,13 +164,13 @@ def test_routed_experts_dispatch() -> None:
 
 
 def test_routed_experts_pallas_is_unavailable_or_correct() -> None:
-    """implementation="pallas" either raises NotImplementedError (no kernel yet) or, once a kernel
+    """implementation="pallas_gpu" either raises NotImplementedError (no kernel yet) or, once a kernel
     exists (interpret mode on CPU), matches the float64 reference. Smallest case only: interpret
     mode is slow."""
     case = EXPERT_CASES["single_token"]
     args = [jnp.asarray(a) for a in case]
     try:
-        out = routed_experts(*args, beta=B1, linear_beta=B2, implementation="pallas")
+        out = routed_experts(*args, beta=B1, linear_beta=B2, implementation="pallas_gpu")
     except NotImplementedError:
         return
     # Same fp32 GEMMs as the XLA paths (<= 24-term sums): ~1e-6 relative; 1e-5 = 10x margin.
@@ -223,13 +224,33 @@ def test_latent_moe_matches_numpy(moe: LatentMoE, cfg: K3Config) -> None:
 
 def test_latent_moe_dense_and_auto_agree(moe: LatentMoE, cfg: K3Config) -> None:
     x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 5, cfg.hidden_size)), jnp.float32)
-    assert moe.implementation == "auto"
+    assert moe.kernels == Kernels()
     out_auto, ids_auto = moe(x)
-    moe.implementation = "dense"
+    moe.kernels = Kernels(moe="dense")
     try:
         out_dense, ids_dense = moe(x)
     finally:
-        moe.implementation = "auto"
+        moe.kernels = Kernels()
     np.testing.assert_array_equal(np.asarray(ids_auto), np.asarray(ids_dense))
     # Same routed sum in two fp32 orders (see the expert test), then identical norm/up/shared paths.
     assert rel(out_auto, out_dense) <= 1e-6
+
+
+def test_latent_moe_runs_the_kernels_it_was_given(moe: LatentMoE, cfg: K3Config) -> None:
+    """`kernels.moe` reaches the routed experts on one device and expert-parallel (an unknown name is
+    refused by the routed experts' dispatch, naming it); `Kernels(moe="xla")` is the CPU policy's."""
+    from sharding import make_mesh
+
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((1, 4, cfg.hidden_size)), jnp.float32)
+    out_policy, _ = moe(x)
+    try:
+        moe.kernels = Kernels(moe="xla")
+        np.testing.assert_array_equal(np.asarray(moe(x)[0]), np.asarray(out_policy))
+        moe.kernels = Kernels(moe="no_such_kernel")
+        with pytest.raises(ValueError, match="implementation 'no_such_kernel' is unknown"):
+            moe(x)
+        moe.expert_mesh = make_mesh(f"expert={jax.device_count()}")
+        with pytest.raises(ValueError, match="implementation 'no_such_kernel' is unknown"):
+            moe(x)
+    finally:
+        moe.kernels, moe.expert_mesh = Kernels(), None

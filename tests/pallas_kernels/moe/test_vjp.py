@@ -1,4 +1,5 @@
-"""Backward of the Pallas routed-expert path (pallas_kernels/moe/pallas_vjp.py) in interpret mode on CPU.
+"""Backward of the routed experts' kernels (pallas_kernels/moe/vjp.py) on the "pallas_gpu" backend, in
+interpret mode on CPU.
 
 Oracles: `lax.ragged_dot_general` with a ragged contracting dimension for the weight-gradient kernel
 `grouped_matmul_tn`; for the whole path jax.grad of `experts_ragged_dot` (XLA autodiff through lax.ragged_dot
@@ -20,16 +21,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe import experts_ragged_dot, routed_experts
-from pallas_kernels.moe import pallas_grouped_gemm as pg
-from pallas_kernels.moe.pallas_experts import experts_pallas
-from pallas_kernels.moe.pallas_vjp import _ragged_rows_outer, situ_and_grads
+from pallas_kernels.moe import experts_ragged_dot, pallas_gpu, routed_experts
+from pallas_kernels.moe import triton as pg
+from pallas_kernels.moe.epilogue import situ_and_grads
 from pallas_kernels.moe.reference import situ
 from tests.pallas_kernels.h200_lowering import lowered_for_h200
+from tests.pallas_kernels.moe.routed import pallas_gpu_experts
 
 F32 = jnp.float32
+# x [M, in] (ragged rows) contracted with y [M, out] over the rows of each group -> [E, in, out].
+_RAGGED_CONTRACT_ROWS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
 CFG = pg.TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
 BETA, LINEAR_BETA = 4.0, 25.0
+
+
+def _ragged_rows_outer(a: jax.Array, b: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Per group e: a_e^T b_e, a [M, P], b [M, Q] -> [E, P, Q] fp32 (rows past sum(group_sizes) ignored):
+    the oracle of `grouped_matmul_tn`."""
+    return jax.lax.ragged_dot_general(a, b, group_sizes, _RAGGED_CONTRACT_ROWS, preferred_element_type=F32)
 
 
 def rel(a, b) -> float:
@@ -60,7 +71,7 @@ def cases():
         "empty_experts": case(rng, n, 8, 2, 32, 48, 32, ids=sparse_ids),
         # k = 1 and every token on expert 3: one group holds all 23 rows, the other seven are empty
         "all_one_expert": case(rng, n, 8, 1, 32, 48, 32, ids=np.full((n, 1), 3)),
-        # widths 24 / 40 / 20 are not multiples of 16: gradients flow through experts_pallas's zero padding
+        # widths 24 / 40 / 20 are not multiples of 16: gradients flow through pallas_gpu's zero padding
         "odd_widths": case(rng, 19, 6, 2, 24, 40, 20),
     }
 
@@ -77,7 +88,7 @@ def test_grads_match_ragged_dot_autodiff(name: str, linear_beta) -> None:
     args = cases()[name]
     x, w1, w2 = args[0], args[1], args[2]
     cot = jax.random.normal(jax.random.key(1), (x.shape[0], w2.shape[1]), F32)
-    pallas = functools.partial(experts_pallas, beta=BETA, linear_beta=linear_beta, interpret=True,
+    pallas = functools.partial(pallas_gpu_experts, beta=BETA, linear_beta=linear_beta,
                                gate_up_cfg=CFG, down_cfg=CFG, bwd_cfg=CFG)
     xla = functools.partial(experts_ragged_dot, beta=BETA, linear_beta=linear_beta)
     got, want = loss_grads(pallas, args, cot), loss_grads(xla, args, cot)
@@ -94,7 +105,7 @@ def test_routed_experts_pallas_grads_default_tiles() -> None:
     """Through the public entry point with the default (128/64-row) tiles: fewer rows than one tile."""
     args = cases()["random"]
     cot = jax.random.normal(jax.random.key(2), (args[0].shape[0], args[2].shape[1]), F32)
-    pallas = functools.partial(routed_experts, beta=BETA, linear_beta=LINEAR_BETA, implementation="pallas")
+    pallas = functools.partial(routed_experts, beta=BETA, linear_beta=LINEAR_BETA, implementation="pallas_gpu")
     xla = functools.partial(routed_experts, beta=BETA, linear_beta=LINEAR_BETA, implementation="xla")
     for g, w in zip(loss_grads(pallas, args, cot), loss_grads(xla, args, cot)):
         assert rel(g, w) <= 1e-5
@@ -154,15 +165,13 @@ def test_expert_mlp_backward_lowers_for_cuda(experts: int, on_mosaic: bool) -> N
     products with the forward's weights (gate and up recomputed, dh, dx) in the Mosaic GPU kernel, the
     weight gradients in Triton; 112: the small-group tiles (weights as the MMA's left operand with
     [E, K, N] tiles), every GEMM a Triton kernel."""
-    from pallas_kernels.moe.pallas_experts import grouped_expert_mlp
-
     sds = jax.ShapeDtypeStruct
     m, d, f = 16384, 3584, 3072
     args = (sds((m, d), jnp.bfloat16), sds((experts, f, d), jnp.bfloat16), sds((experts, d, f), jnp.bfloat16),
             sds((experts, f, d), jnp.bfloat16))
 
     def loss(rows, w1, w2, w3, gs):
-        out = grouped_expert_mlp(rows, gs, w1, w2, w3, beta=BETA, linear_beta=LINEAR_BETA, interpret=False)
+        out = pallas_gpu.grouped_mlp(rows, gs, w1, w2, w3, beta=BETA, linear_beta=LINEAR_BETA)
         return jnp.sum(out.astype(F32))
 
     text = lowered_for_h200(jax.grad(loss, argnums=(0, 1, 2, 3)), *args, sds((experts,), jnp.int32))

@@ -5,22 +5,20 @@ registers. So the packed weights are made the left operand ("swap AB": the tile 
 (x W^T)^T = W x^T, weight rows by token rows), and each compute warpgroup decodes its [64, 64]
 operands of E2M1 codes straight into the bf16 registers wgmma reads: the weights cross HBM and
 shared memory at 4.25 bits each (the release's bytes, no copy) and are never written back in bf16.
-It runs at 0.90x the bf16 kernel on H100s (median of eleven, 0.86-0.91x; 0.83x with three
-stages and each slot released a step late, 0.77-0.82x before the decode was rebalanced), where
-decoding the layer in XLA first runs at 0.59x (benchmarks/RESULTS.md). With a zero operand in
-place of the decode the three-stage kernel ran at 0.91-0.96x: every decode instruction costs
-tensor-core time, about 0.8 of a cycle each (``benchmarks/mxfp4_decode_cost.py``). Feeding each
-decoded operand to 256 token rows instead of 128 halves the decode per product but ran slower
-(0.71-0.82x, commit 3b2726b): a 256-row x tile leaves room for 64-column k steps only, twice as
-many steps per product.
+Reading 4.25 bits a weight instead of 16 brings it close to the bf16 kernel on bf16 weights, well
+ahead of decoding the layer in XLA first (benchmarks/RESULTS.md). Every decode instruction costs
+tensor-core time (``benchmarks/mxfp4_decode_cost.py`` measures it with a zero operand in place of
+the decode). Feeding each decoded operand to 256 token rows instead of 128 halves the decode per
+product but ran slower: a 256-row x tile leaves room for 64-column k steps only, twice as many steps
+per product.
 
-Work, tiles and stores as ``mosaic_gpu_grouped_gemm`` (its work table and row stores): one
+Work, tiles and stores as ``grouped_gemm`` (``work.py``'s work table and row stores): one
 persistent CTA per SM, a producer warpgroup issuing TMA copies ``STAGES`` steps of ``STEP_K``
 ahead, two compute warpgroups. A tile is 128 token rows by 128 gate and 128 up columns; warpgroup w
 owns columns [64 w, 64 w + 64) of both, i.e. two [64, 128] fp32 accumulators (weight rows x token
 rows). A step decodes and multiplies four [64, 64] operands in turn, so each decode runs while the
 previous product does; all products finish within the step (left running across the loop's back
-edge, as the bf16 kernel does, the register operands came out as NaN on the H200), so a step's
+edge, as the bf16 kernel does, the register operands came out as NaN), so a step's
 slot is free for the next copy as soon as the step returns: a stage more in flight than with the
 bf16 kernel's one-step release delay. The epilogue scales the accumulators back (``FOLD``),
 applies SiTU and stores the transposed result in two [64, 64] parts, so that the output staging
@@ -47,16 +45,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm
 
-from pallas_kernels.moe.mosaic_gpu_grouped_gemm import (
-    ALIGN, DEPTH, MEMORY_REGISTERS, ROWS, TILES, _program, _rows_in_window, _run_program,
-    _store_rows, _store_transposed, _work_table, sm_count,
+from pallas_kernels.moe.epilogue import situ_f32
+from pallas_kernels.moe.mosaic_gpu.work import (
+    ALIGN, DEPTH, MEMORY_REGISTERS, ROWS, TILES, program_row, rows_in_window, run_program, sm_count,
+    store_rows, store_transposed_wgmma, work_table,
 )
-from pallas_kernels.moe.pallas_grouped_gemm import situ_f32
+from pallas_kernels.mxfp4 import BLOCK
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
-BLOCK = 32  # inputs per E8M0 scale byte
 COLS = 128  # a tile's weight rows, of the gate and of the up projection each
 WG_COLS = COLS // 2  # each compute warpgroup's weight rows (wgmma's 64-row M)
 STAGES = 4  # k steps in flight: 4 x 50 KB of tiles + 16 KB of output staging
@@ -128,12 +131,6 @@ def _decoder():
         columns 0..31 and 32..63 -> [64, 64] bf16 in wgmma's operand layout, columns in
         ``x_column_order``."""
         del ctx
-        from jax.experimental.mosaic import gpu as mgpu
-        from jax.experimental.mosaic.gpu import fragmented_array as fa
-        from jax.experimental.mosaic.gpu import utils
-        from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import arith, llvm
-
         i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape((WG_COLS, DEPTH)), dtype=object)
@@ -185,7 +182,7 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
         @plgpu.nd_loop((n_programs,), collective_axes="sm")
         def _(info):
             (p,) = info.index
-            load, row_start, row_end, group, block = _program(meta_ref, p)
+            load, row_start, row_end, group, block = program_row(meta_ref, p)
             count = row_end - row_start
             real = group < n_groups  # the virtual expert past sum(group_sizes) stores zeros
             col0 = pl.multiple_of(block * COLS + w * WG_COLS, WG_COLS)
@@ -195,12 +192,12 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
                 parts of STORE_ROWS token rows, each part's rows of this program only."""
                 for part in range(ROWS // STORE_ROWS):
                     part_load = load + part * STORE_ROWS
-                    first, part_count = _rows_in_window(row_start, row_end, part_load, STORE_ROWS)
+                    first, part_count = rows_in_window(row_start, row_end, part_load, STORE_ROWS)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging buffer is free
-                    _store_transposed(staging.at[w],
+                    store_transposed_wgmma(staging.at[w],
                                       h_t[:, part * STORE_ROWS:(part + 1) * STORE_ROWS])
                     plgpu.commit_smem()
-                    _store_rows(staging.at[w], o_ref.at[:, pl.ds(col0, WG_COLS)],
+                    store_rows(staging.at[w], o_ref.at[:, pl.ds(col0, WG_COLS)],
                                 first - part_load, first, part_count)
 
             def context(run):
@@ -232,7 +229,7 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
                 stage_and_store(plgpu.layout_cast(jnp.zeros((WG_COLS, ROWS), o_ref.dtype),
                                                   plgpu.Layout.WGMMA))
 
-            _run_program(count, real, w, lambda: pipeline(step, context)(
+            run_program(count, real, w, lambda: pipeline(step, context)(
                 x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), ROWS)],
                 *blocks(group, pl.multiple_of(block * COLS, COLS)), allocations=buffers), store_zeros)
 
@@ -242,18 +239,9 @@ def _body(meta_ref, x_ref, c1_ref, c3_ref, f1_ref, f3_ref, o_ref, *, n_programs:
                   collective_axes="wg")
 
 
-def takes(x: jax.Array, w1, w3) -> bool:
-    """Whether the kernel takes these operands: bf16 x [M, K] and packed experts (``MXFP4Experts``
-    or anything with uint8 ``packed`` [E, N, K/2] and ``scale`` [E, N, K/32]) of one shape with K a
-    multiple of STEP_K and N of COLS."""
-    packed = [getattr(w, "packed", None) for w in (w1, w3)]
-    if any(p is None or p.dtype != jnp.uint8 or p.ndim != 3 for p in packed):
-        return False
-    e, n, half_k = packed[0].shape
-    k = 2 * half_k
-    return (x.dtype == _BF16 and x.ndim == 2 and x.shape[1] == k and k % STEP_K == 0
-            and n % COLS == 0 and packed[1].shape == packed[0].shape
-            and all(w.scale.shape == (e, n, k // BLOCK) for w in (w1, w3)))
+def fits(k: int, n: int) -> bool:
+    """Whether gate and up weights [E, n, k] (decoded shape) tile this kernel's steps and columns."""
+    return k % STEP_K == 0 and n % COLS == 0
 
 
 @functools.partial(jax.jit, static_argnames=("beta", "linear_beta", "num_sms", "stages"))
@@ -279,9 +267,9 @@ def gate_up_situ_mxfp4_mgpu(x_ordered: jax.Array, packed1: jax.Array, scale1: ja
     m0 = x_ordered.shape[0]
     rows = max(ROWS, -(-m0 // ALIGN) * ALIGN)
     x = jnp.pad(x_ordered, ((0, rows - m0), (0, 0))) if rows != m0 else x_ordered
-    meta = _work_table(group_sizes, rows, n // COLS)
+    meta = work_table(group_sizes, rows, n // COLS)
     fold = float(2 ** FOLD)
-    situ = lambda g, u: situ_f32(g * fold, u * fold, beta, linear_beta, approx=False)  # noqa: E731
+    situ = lambda g, u: situ_f32(g * fold, u * fold, beta, linear_beta)  # noqa: E731
     kernel = plgpu.kernel(
         functools.partial(_body, n_programs=meta.shape[0], n_groups=e, stages=stages, finish=situ),
         out_type=jax.ShapeDtypeStruct((rows, n), _BF16),

@@ -1,4 +1,4 @@
-"""The MXFP4 Mosaic GPU gate+up kernel (pallas_kernels/moe/mosaic_gpu_mxfp4.py) on the CPU.
+"""The MXFP4 Mosaic GPU gate+up kernel (pallas_kernels/moe/mosaic_gpu/gate_up_mxfp4.py) on the CPU.
 
 The kernel's decode is PTX and runs only on Hopper (benchmarks/moe_mxfp4_mgpu.py checks the kernel
 against the bf16 kernel there). Here: the shipped PTX text is executed by a small interpreter over
@@ -15,8 +15,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from k3jax.checkpoint.mxfp4 import decode_mxfp4_jax
-from pallas_kernels.moe import mosaic_gpu_mxfp4 as mx
+from pallas_kernels.moe import pallas_gpu
+from pallas_kernels.moe.mosaic_gpu import gate_up_mxfp4 as mx
+from pallas_kernels.mxfp4 import MXFP4Experts, decode_mxfp4_jax
 from tests.pallas_kernels.h200_lowering import lowered_for_h200
 
 S = jax.ShapeDtypeStruct
@@ -137,43 +138,46 @@ def test_lowers_for_h200():
 
 
 def _packed(e: int, n: int, k: int):
-    from pallas_kernels.moe.reference import MXFP4Experts
-
     return MXFP4Experts(S((e, n, k // 2), _U8), S((e, n, k // 32), _U8))
 
 
 @pytest.mark.parametrize("experts, on_mosaic", [(28, True), (112, False)])
 def test_expert_mlp_takes_packed_gate_up_for_large_groups(experts: int, on_mosaic: bool):
     """The routed experts' forward and gradient on the GPU (lowered for an abstract H200, K3 widths,
-    16384 rows) with packed gate/up weights and the down weights decoded (as `routed_experts` passes
-    them): this kernel for gate+up where the bf16 kernels would be Mosaic GPU's (28 experts), the
-    Triton kernels at 112; the backward decodes the packed weights in XLA."""
-    from pallas_kernels.moe.pallas_experts import grouped_expert_mlp
-
+    16384 rows) with packed weights: this kernel for gate+up where the bf16 kernels would be Mosaic
+    GPU's (28 experts), the Triton kernels at 112; the backward decodes the packed weights in XLA."""
     m, d, f = 16384, 3584, 3072
-    w1, w3 = _packed(experts, f, d), _packed(experts, f, d)
+    w1, w2, w3 = _packed(experts, f, d), _packed(experts, d, f), _packed(experts, f, d)
 
     def loss(rows, gs, w1, w2, w3):
-        out = grouped_expert_mlp(rows, gs, w1, w2, w3, beta=4.0, linear_beta=25.0, interpret=False)
+        out = pallas_gpu.grouped_mlp(rows, gs, w1, w2, w3, beta=4.0, linear_beta=25.0)
         return out.astype(jnp.float32).sum()
 
-    args = (S((m, d), _BF16), S((experts,), jnp.int32), w1, S((experts, d, f), _BF16), w3)
+    args = (S((m, d), _BF16), S((experts,), jnp.int32), w1, w2, w3)
     text = lowered_for_h200(jax.value_and_grad(loss), *args)  # the value keeps the forward
     assert ("k3_moe_gate_up_situ_mxfp4_mgpu" in text) == on_mosaic
 
 
-def test_routed_experts_keeps_gate_up_packed_only_where_the_kernel_runs(monkeypatch):
-    from pallas_kernels.moe import api
+def _plan(rows: int, experts: int, *, d: int = 3584, f: int = 3072, interpret: bool = False):
+    return pallas_gpu.plan_kernels(dtype=_BF16, weight_dtype=None, packed=True, num_rows=rows,
+                                   num_experts=experts, d_in=d, hidden=f, d_out=d, interpret=interpret)
 
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    x = S((2048, 3584), _BF16)
-    w = _packed(28, 3072, 3584)
-    assert api.mxfp4_gate_up_in_mosaic_gpu("pallas", x, w, w, pairs=16384)
-    assert not api.mxfp4_gate_up_in_mosaic_gpu("pallas", x, w, w, pairs=256)  # decode-sized
-    assert not api.mxfp4_gate_up_in_mosaic_gpu("pallas", x, w, w, pairs=4096)  # small groups
-    assert not api.mxfp4_gate_up_in_mosaic_gpu("xla", x, w, w, pairs=16384)
-    assert not api.mxfp4_gate_up_in_mosaic_gpu("pallas", x, S((28, 3072, 3584), _BF16), w, pairs=16384)
-    odd = _packed(28, 3072, 3520)  # K not a multiple of STEP_K
-    assert not api.mxfp4_gate_up_in_mosaic_gpu("pallas", S((2048, 3520), _BF16), odd, odd, pairs=16384)
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert not api.mxfp4_gate_up_in_mosaic_gpu("pallas", x, w, w, pairs=16384)
+
+def test_plan_keeps_gate_up_packed_only_where_the_kernel_runs():
+    """MXFP4 gate and up stay packed for this kernel at large groups (w2 decoded, its down product on
+    Mosaic GPU), for the Triton tile decode at decode sizes (all three packed), and are decoded first
+    for small groups, for K not a multiple of STEP_K, and in the interpreter; the backward recomputes
+    gate and up from what the forward got."""
+    large = _plan(16384, 28)
+    assert (large.gate_up, large.packed_gate_up, large.packed_down, large.down) == (
+        "mosaic_gpu_mxfp4", True, False, "mosaic_gpu")
+    assert (large.recompute, large.dh, large.dx) == ("triton", "mosaic_gpu", "mosaic_gpu")
+    decode = _plan(256, 28)
+    assert (decode.gate_up, decode.down, decode.packed_gate_up, decode.packed_down) == (
+        "triton", "triton", True, True)
+    small = _plan(4096, 28)
+    assert (small.gate_up, small.packed_gate_up, small.packed_down) == ("mosaic_gpu", False, False)
+    odd = _plan(16384, 28, d=3520)  # K not a multiple of STEP_K
+    assert (odd.gate_up, odd.packed_gate_up) == ("mosaic_gpu", False)
+    interpreted = _plan(16384, 28, interpret=True)
+    assert (interpreted.gate_up, interpreted.packed_gate_up) == ("triton", False)

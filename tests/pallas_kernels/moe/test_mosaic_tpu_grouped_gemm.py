@@ -9,7 +9,7 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _tpu_interp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.moe.pallas_mosaic_tpu import make_schedule, tpu_grouped_gate_up_situ, tpu_grouped_matmul
+from pallas_kernels.moe.mosaic_tpu.grouped_gemm import make_schedule, tpu_grouped_gate_up_situ, tpu_grouped_matmul
 from pallas_kernels.moe.reference import situ
 
 INTERP = pltpu.InterpretParams(detect_races=True)
@@ -171,22 +171,23 @@ def test_grouped_matmul_shape_errors_name_the_weight():
 
 
 def test_tpu_kernels_run_the_routed_experts(monkeypatch):
-    """routed_experts(implementation="pallas") on a TPU backend: both Mosaic-TPU kernels (gate+up+SiTU,
-    down) in the routed path, against the XLA path (fp32: same products, other order, 1e-5)."""
+    """routed_experts(implementation="mosaic_tpu") on CPU (the TPU interpreter): both Mosaic-TPU kernels
+    (gate+up+SiTU, down) in the routed path, against the XLA path (fp32: same products, other order,
+    1e-5)."""
     import functools
 
     from pallas_kernels.moe import api
-    from pallas_kernels.moe import pallas_mosaic_tpu as mt
+    from pallas_kernels.moe.mosaic_tpu import experts as mt
 
     calls = []
     for name in ("tpu_grouped_gate_up_situ", "tpu_grouped_matmul"):
         real = getattr(mt, name)
 
-        def interpreted(*a, real=real, name=name, **kw):
+        def counted(*a, real=real, name=name, **kw):
             calls.append(name)
-            return real(*a, **kw, block_m=16, interpret=pltpu.InterpretParams())
+            return real(*a, **kw, block_m=16)
 
-        monkeypatch.setattr(mt, name, interpreted)
+        monkeypatch.setattr(mt, name, counted)
     rng = np.random.default_rng(3)
     n, k, e, d_in, f = 24, 2, 4, 256, 256
     x = jnp.asarray(rng.standard_normal((n, d_in)), jnp.float32)
@@ -196,8 +197,7 @@ def test_tpu_kernels_run_the_routed_experts(monkeypatch):
     weights = jnp.asarray(rng.uniform(size=(n, k)), jnp.float32)
     run = functools.partial(api.routed_experts, x, w1, w2, w3, weights, ids, beta=4.0, linear_beta=25.0)
     want = run(implementation="xla")
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    got = run(implementation="pallas")
+    got = run(implementation="mosaic_tpu")
     assert calls == ["tpu_grouped_gate_up_situ", "tpu_grouped_matmul"]
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) <= 1e-5
     # differentiable: the reference's VJP (same function, so the gradients agree to the same level)
@@ -208,7 +208,5 @@ def test_tpu_kernels_run_the_routed_experts(monkeypatch):
                                                      implementation=impl) * ct)
         return jax.grad(loss, (0, 1, 2, 3))(x, w1, w2, w3)
 
-    tpu_grads = grads("pallas")
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    for g, w in zip(tpu_grads, grads("xla"), strict=True):
+    for g, w in zip(grads("mosaic_tpu"), grads("xla"), strict=True):
         assert float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)) <= 1e-5

@@ -3,27 +3,18 @@ persistent CTAs): gate+up with the SiTU epilogue (``gate_up_situ_mgpu``), and a 
 (``grouped_matmul_mgpu``) for the down projection and for the backward's products with the forward's
 weights (fp32 out, weights read [E, K, N] as stored).
 
-Same results as ``pallas_grouped_gemm.grouped_gate_up_situ`` / ``grouped_matmul`` on bf16 weights,
-over the same order of work (expert by expert, column block major, row tiles fastest, so co-resident
-tiles share a weight block in L2). Why second kernels: the Pallas-Triton ones run level with
-``torch._grouped_mm`` at 28 experts (490-545 TFLOP/s on the H200) with one 192 KB CTA per SM and no
-producer, so each tile's epilogue (SiTU, store) stalls the tensor cores and every load is issued by
-the warps that also run the MMAs. Here one CTA per SM walks the table (``plgpu.nd_loop``); a third
-warpgroup issues the TMA copies of the x tile and the weight tiles ``STAGES`` k steps ahead
+Same results as the Triton ``grouped_gate_up_situ`` / ``grouped_matmul`` on bf16 weights, over the
+same order of work (expert by expert, column block major, row tiles fastest, so co-resident tiles
+share a weight block in L2). Why second kernels: the Triton ones run one CTA per SM with no producer,
+so each tile's epilogue (SiTU, store) stalls the tensor cores and every load is issued by the warps
+that also run the MMAs. Here one CTA per SM walks the table (``plgpu.nd_loop``); a third warpgroup
+issues the TMA copies of the x tile and the weight tiles ``STAGES`` k steps ahead
 (``plgpu.emit_pipeline_warp_specialized``), so the next tile's loads start while this one's epilogue
 runs. The two compute warpgroups split the tile's 128 rows: each runs 64-row wgmmas against every
 column of the weight tiles (gate+up: [64, 128] gate and up accumulators; down: one [64, 256]), which
 reads each weight tile from shared memory once per warpgroup rather than once per 64 rows, then
 finishes in fp32 (SiTU, or nothing) and stores its rows by TMA. (Splitting the columns instead, two
-[128, 64] accumulators each, ran level on the H200: 587 vs 594 TFLOP/s.)
-
-Tiles (``_work_table``): a TMA copy into 8-row shared-memory tiles must start on a multiple of 8
-rows, so an expert's tiles load 128 rows from its first row rounded down to 8, then every 128; a
-tile multiplies all 128 and stores only its expert's rows (up to 7 rows of another expert ride
-along at the front). The store: TMA copies of static sizes, one per set bit of the row count (at
-most 8; a full tile is one copy), from an untiled staging buffer. Rows past ``sum(group_sizes)``
-(a virtual expert) come out as zeros, as in ``lax.ragged_dot``; x tiles reading past the last row
-get TMA's zero fill.
+[128, 64] accumulators each, ran level.) Work table and stores: ``work.py``.
 """
 
 from __future__ import annotations
@@ -36,10 +27,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe.pallas_grouped_gemm import situ_f32, group_bounds, tile_programs
+from pallas_kernels.moe.epilogue import situ_f32
+from pallas_kernels.moe.mosaic_gpu.work import (
+    ALIGN, DEPTH, MEMORY_REGISTERS, ROWS, TILES, program_row, rows_in_window, run_program, sm_count,
+    store_rows, store_transposed_wgmma, work_table,
+)
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
-ROWS, DEPTH = 128, 64  # a tile's rows, k per step
 WG_ROWS = ROWS // 2  # each compute warpgroup's rows of the tile (wgmma's 64-row M)
 GATE_UP_COLS = 128  # a tile's columns (weight rows) of gate+up: 128 of the gate, 128 of the up
 PLAIN_COLS = 256  # a tile's columns of a plain product (the down projection)
@@ -48,100 +42,6 @@ TAIL_STORE_COLS = 64  # columns per staged store with a tail (the staging half a
 STAGED_ROW_BYTES = 256  # bytes of an output row per staged store: 128 bf16 or 64 fp32 columns
 STAGES = 4  # k steps in flight: 4 x 48 KB of tiles + 32 KB of output staging fill the shared memory
 # (with a tail: 4 x 52 KB + 16 KB)
-MEMORY_REGISTERS = 40  # the producer warpgroup's registers (it only issues copies)
-ALIGN = 8  # rows per shared-memory tile: where a TMA copy of x may start
-TILES = (plgpu.TilingTransform((ALIGN, DEPTH)), plgpu.SwizzleTransform(128))  # 128-byte bf16 rows
-
-
-def _work_table(group_sizes: jax.Array, num_rows: int, num_col_blocks: int,
-                tail_rows: int = 0) -> jax.Array:
-    """int32 [P, 5], one row per (row tile, column block): (load start, first row, end row,
-    expert, column block). Expert e's rows [s, t) take ROWS-row tiles loading from
-    ``a = 8 floor(s / 8) + ROWS j`` and storing ``[max(s, a), min(t, a + ROWS))``; with
-    ``tail_rows``, a remainder of at most that many rows past the last full tile joins it (one tile
-    of up to ROWS + tail_rows rows: 146 rows run as one tile, not two). Rows past sum(group_sizes)
-    form expert E (stored as zeros). Sized for the worst case (each expert adds at most one tile
-    and 7 rows); the rest are idle (first row == end row). Groups and program order as
-    ``pallas_grouped_gemm._schedule``'s (``group_bounds``, ``tile_programs``)."""
-    n_groups = group_sizes.shape[0]
-    starts, sizes = group_bounds(group_sizes, num_rows)
-    ends, first = starts + sizes, starts // ALIGN * ALIGN
-    tiles = (ends - first + ROWS - 1) // ROWS
-    merged = (tiles >= 2) & (ends - first - (tiles - 1) * ROWS <= tail_rows)
-    tiles = jnp.where(sizes > 0, tiles - merged, 0)
-    n_programs = (pl.cdiv(num_rows + ALIGN * (n_groups + 1), ROWS) + n_groups + 1) * num_col_blocks
-    group, local, block, valid = tile_programs(tiles, num_col_blocks, n_programs)
-    load = first[group] + local * ROWS
-    last = local == tiles[group] - 1  # the last tile stores the rest (its tail, if merged)
-    row_start = jnp.where(valid, jnp.maximum(starts[group], load), 0)
-    row_end = jnp.where(valid, jnp.where(last, ends[group], load + ROWS), 0)
-    return jnp.stack([jnp.where(valid, load, 0), row_start, row_end, group,
-                      jnp.where(valid, block, 0)], axis=1).astype(jnp.int32)
-
-
-def _program(meta_ref, p):
-    """Row p of the work table (``_work_table``): load start, first row, end row, expert, column
-    block."""
-    return tuple(meta_ref[p, i] for i in range(5))
-
-
-def _run_program(count, real, w, products, zeros) -> None:
-    """A program's work: ``products()`` (all warpgroups) for rows of a real expert, ``zeros()``
-    (the compute warpgroups only) for rows past sum(group_sizes); nothing for an idle program."""
-    pl.when((count > 0) & real)(products)
-    pl.when((count > 0) & ~real & (w < 2))(zeros)
-
-
-def _rows_in_window(row_start, row_end, window_start, window_rows):
-    """The program's rows [row_start, row_end) that fall in [window_start, window_start +
-    window_rows), as (first row, count): a staged window holds rows of neighbouring programs too."""
-    first = jnp.maximum(row_start, window_start)
-    return first, jnp.maximum(jnp.minimum(row_end, window_start + window_rows) - first, 0)
-
-
-def _store_rows(staged, out, offset, start, count):
-    """``staged[offset:offset + count]`` to ``out[start:start + count]`` (traced, offset + count <=
-    the staged rows) as one TMA copy per set bit of count: copies need static sizes, and other rows
-    belong to other tiles."""
-    done = 0  # rows stored so far
-    size = staged.shape[0]
-    while size:
-        @pl.when((count & size) != 0)
-        def _(size=size, done=done):
-            plgpu.copy_smem_to_gmem(staged.at[pl.ds(offset + done, size)],
-                                    out.at[pl.ds(start + done, size)])
-
-        done = done + (count & size)
-        size //= 2
-
-
-@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA))
-def _store_transposed(ctx, staging, h_t):
-    """staging[t, n] = h_t[n, t] for a [64, T] array in wgmma's layout into a [T, 64] buffer: one
-    2-byte store per element (Mosaic's stores want the array's vectors along the memory's unit
-    stride; this runs once per tile, against its k steps of products)."""
-    del ctx
-    from jax.experimental.mosaic.gpu import utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, vector
-
-    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-    c = lambda v: utils.c(v, i32)  # noqa: E731
-    base = utils.memref_ptr(staging)  # [T, 64] bf16, rows contiguous
-    width = h_t.shape[0]
-    tid = utils.thread_idx()
-    lane = arith.remui(tid, c(32))
-    warp = arith.remui(arith.divui(tid, c(32)), c(4))
-    n0 = arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))  # h_t's row: a column here
-    t0 = arith.muli(arith.remui(lane, c(4)), c(2))  # h_t's first column: a row here
-    for col in range(h_t.shape[1] // 8):
-        for half in range(2):
-            pair = h_t.registers[0, col, 0, 0, half, 0, 0, 0, 0]
-            for e in range(2):
-                t = arith.addi(t0, c(8 * col + e))
-                flat = arith.addi(arith.muli(t, c(width)), arith.addi(n0, c(8 * half)))
-                value = utils.bitcast(vector.extract(pair, [], [e]), i16)
-                llvm.store(value, utils.getelementptr(base, [flat], i16))
 
 
 def store_transposed(staging, h_t, interpret: bool = False) -> None:
@@ -150,7 +50,7 @@ def store_transposed(staging, h_t, interpret: bool = False) -> None:
     if interpret:
         staging[...] = h_t.T
     else:
-        _store_transposed(staging, h_t)
+        store_transposed_wgmma(staging, h_t)
 
 
 def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: int, stages: int,
@@ -193,12 +93,12 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
         @plgpu.nd_loop((n_programs,), collective_axes="sm")
         def _(info):
             (p,) = info.index
-            load, row_start, row_end, group, block = _program(meta_ref, p)
+            load, row_start, row_end, group, block = program_row(meta_ref, p)
             count = row_end - row_start
             real = group < n_groups  # the virtual expert past sum(group_sizes) stores zeros
             cols = pl.ds(pl.multiple_of(block * block_cols, block_cols), block_cols)
             wg_load = load + w * WG_ROWS  # this warpgroup's rows: [wg_load, wg_load + WG_ROWS)
-            first, wg_count = _rows_in_window(row_start, row_end, wg_load, WG_ROWS)
+            first, wg_count = rows_in_window(row_start, row_end, wg_load, WG_ROWS)
 
             def stage_and_store(h):
                 """A compute warpgroup's output tile, its own rows to HBM, store_cols at a time."""
@@ -207,7 +107,7 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                     staging[w] = h[:, c * store_cols:(c + 1) * store_cols]
                     plgpu.commit_smem()
                     col0 = pl.multiple_of(block * block_cols + c * store_cols, store_cols)
-                    _store_rows(staging.at[w], o_ref.at[:, pl.ds(col0, store_cols)],
+                    store_rows(staging.at[w], o_ref.at[:, pl.ds(col0, store_cols)],
                                 first - wg_load, first, wg_count)
 
             def stage_and_store_tail(h_t):
@@ -222,7 +122,7 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                     plgpu.commit_smem()
                     col0 = pl.multiple_of(block * block_cols + w * tail_cols + c * TAIL_STORE_COLS,
                                           TAIL_STORE_COLS)
-                    _store_rows(buffer, o_ref.at[:, pl.ds(col0, TAIL_STORE_COLS)], 0, tail_start,
+                    store_rows(buffer, o_ref.at[:, pl.ds(col0, TAIL_STORE_COLS)], 0, tail_start,
                                 jnp.maximum(row_end - tail_start, 0))
 
             def context_for(with_tail: bool):
@@ -259,7 +159,7 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                     x_ref.at[pl.ds(pl.multiple_of(load, ALIGN), tile_rows)],
                     *(weight_block(w_ref, group, cols) for w_ref in w_refs), allocations=buffers)
 
-            has_tail = row_end > load + ROWS  # only a merged last tile (``_work_table``)
+            has_tail = row_end > load + ROWS  # only a merged last tile (``work_table``)
 
             def tail_zeros():  # a splat: given the transposed store's layout
                 zeros = jnp.zeros((tail_cols, tail_rows), o_ref.dtype)
@@ -275,7 +175,7 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                 pl.when(has_tail)(products(True))
                 pl.when(~has_tail)(products(False))
 
-            _run_program(count, real, w, either_products if tail_rows else products(False),
+            run_program(count, real, w, either_products if tail_rows else products(False),
                          store_zeros)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -284,26 +184,18 @@ def _body(meta_ref, x_ref, *refs, n_programs: int, n_groups: int, block_cols: in
                   collective_axes="wg")
 
 
-def sm_count() -> int:
-    """Streaming multiprocessors of the GPU the kernel is traced for: one persistent CTA each, so a
-    GPU with fewer SMs than an H200's 132 (an H100 PCIe's 114) does not run a second wave. The
-    abstract mesh's device where one is set (lowering without a GPU), else the first device's;
-    132 when that is no GPU (the interpreter)."""
-    abstract = jax.sharding.get_abstract_mesh().abstract_device
-    if abstract is not None:
-        return abstract.num_cores
-    device = jax.devices()[0]
-    return device.core_count if device.platform == "gpu" else 132
+def fits(k: int, n: int, block_cols: int) -> bool:
+    """Whether a product with contraction k and output width n tiles this kernel: k a multiple of
+    DEPTH, n of the column block (GATE_UP_COLS for gate+up, PLAIN_COLS for a plain product)."""
+    return k % DEPTH == 0 and n % block_cols == 0
 
 
-def takes(x: jax.Array, w, block_cols: int, kn: bool = False) -> bool:
-    """Whether the kernel takes these operands: bf16 x [M, K] and dense bf16 weights [E, N, K]
-    ([E, K, N] with ``kn``) with K a multiple of 64 and N of the column block (128 for gate+up,
-    256 for a plain product)."""
+def _takes(x: jax.Array, w, block_cols: int, kn: bool) -> bool:
+    """bf16 x [M, K] and dense bf16 weights [E, N, K] ([E, K, N] with ``kn``) that `fits`."""
     if not (isinstance(w, jax.Array) and x.dtype == _BF16 and w.dtype == _BF16 and w.ndim == 3):
         return False
     k, n = (w.shape[1], w.shape[2]) if kn else (w.shape[2], w.shape[1])
-    return x.ndim == 2 and x.shape[1] == k and k % DEPTH == 0 and n % block_cols == 0
+    return x.ndim == 2 and x.shape[1] == k and fits(k, n, block_cols)
 
 
 def _grouped(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array, *, finish,
@@ -312,7 +204,7 @@ def _grouped(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Arra
     """finish(x @ w_e^T for w in weights) per expert's rows (x @ w_e for ``kn`` weights), as one
     persistent kernel."""
     w0 = weights[0]
-    if not takes(x, w0, block_cols, kn) or any(w.shape != w0.shape or w.dtype != w0.dtype
+    if not _takes(x, w0, block_cols, kn) or any(w.shape != w0.shape or w.dtype != w0.dtype
                                                for w in weights):
         layout = "[E, K, N]" if kn else "[E, N, K]"
         raise ValueError(f"{name}: wants bf16 x [M, K] and bf16 weights {layout} of one shape with K % "
@@ -325,7 +217,7 @@ def _grouped(x: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Arra
     rows = max(ROWS + tail_rows, -(-m0 // ALIGN) * ALIGN)
     if rows != m0:
         x = jnp.pad(x, ((0, rows - m0), (0, 0)))
-    meta = _work_table(group_sizes, rows, n // block_cols, tail_rows)
+    meta = work_table(group_sizes, rows, n // block_cols, tail_rows)
     kernel = plgpu.kernel(
         functools.partial(_body, n_programs=meta.shape[0], n_groups=w0.shape[0],
                           block_cols=block_cols, stages=stages, finish=finish, kn=kn,
@@ -361,7 +253,7 @@ def gate_up_situ_mgpu(x: jax.Array, w1: jax.Array, w3: jax.Array, group_sizes: j
     ``interpret``: Mosaic GPU's CPU interpreter (tests)."""
     _check_tail("gate_up_situ_mgpu", tail_rows)
     # the exact ops: approx_math makes them the fast hardware forms
-    situ = lambda g, u: situ_f32(g, u, beta, linear_beta, approx=False)  # noqa: E731
+    situ = lambda g, u: situ_f32(g, u, beta, linear_beta)  # noqa: E731
     return _grouped(x, (w1, w3), group_sizes, finish=situ, block_cols=GATE_UP_COLS,
                     out_dtype=x.dtype, kn=False, name="gate_up_situ_mgpu", num_sms=num_sms,
                     stages=stages, interpret=interpret, tail_rows=tail_rows)

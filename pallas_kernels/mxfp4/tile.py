@@ -2,8 +2,8 @@
 
 The grouped GEMMs call `decode_tile` on each weight tile right after loading it: HBM holds (and the
 kernel reads) only the release's 4.25 bits per weight, and the decoded bf16 tile lives in registers on
-its way to the tensor-core dot. Ground truth is `k3jax.checkpoint.mxfp4.decode_mxfp4_jax` (one E2M1
-code per nibble, even input column in the low nibble, one E8M0 scale byte per 32 columns).
+its way to the tensor-core dot. Ground truth is `codec.decode_mxfp4_jax` (one E2M1 code per nibble,
+even input column in the low nibble, one E8M0 scale byte per BLOCK columns).
 
 No lookup table and no float multiply: the bf16 bit pattern is assembled directly. For a code with
 sign bit S and magnitude bits c3 = (e1 e0 m) and a scale byte s:
@@ -26,23 +26,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe.mxfp4_order import bytes_in_fragment_order
-
-BLOCK = 32  # inputs per E8M0 scale byte
+from pallas_kernels.mxfp4.codec import BLOCK
 
 
-def decode_tile(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16, fragment: bool = False) -> jax.Array:
-    """uint8 packed [R, C/2] (two codes per byte) and scale [R, C/32] -> dtype [R, C].
-
-    fragment: the C columns come out in fragment order (mxfp4_order.py; C is one k step)."""
+def decode_tile(packed: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+    """uint8 packed [R, C/2] (two codes per byte) and scale [R, C/BLOCK] -> dtype [R, C]."""
     rows, half = packed.shape
     cols = 2 * half
     if scale.shape != (rows, cols // BLOCK):
         raise ValueError(f"MXFP4 tile: packed {packed.shape} needs scale ({rows}, {cols // BLOCK}), got {scale.shape}")
     base = (jnp.clip(scale.astype(jnp.int32), 1, 252) - 1) << 7  # bf16 bits of 0.5 * 2^(s - 127)
     base = jnp.broadcast_to(base[:, :, None], (rows, cols // BLOCK, BLOCK // 2)).reshape(rows, half)  # per byte
-    if fragment:
-        packed, base = bytes_in_fragment_order(packed), bytes_in_fragment_order(base)
     # even column in the low nibble: join(lo, hi) along a new last axis, then merge it into the columns
     codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(rows, cols).astype(jnp.int32)
     base = jnp.stack([base, base], axis=-1).reshape(rows, cols)

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from k3jax.checkpoint import decode_mxfp4, decode_mxfp4_jax, encode_mxfp4
+from pallas_kernels.mxfp4 import decode_mxfp4, decode_mxfp4_jax, encode_mxfp4
 
 # E2M1 codes 0-7 (0bSEEM with S = 0), written out by hand; codes 8-15 are the negatives.
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
