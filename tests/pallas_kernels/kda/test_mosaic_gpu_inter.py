@@ -1,4 +1,4 @@
-"""The Mosaic GPU inter kernel (``mosaic_gpu_inter.py``) in Mosaic GPU's CPU interpreter against the
+"""The Mosaic GPU inter kernel (``mosaic_gpu/inter.py``) in Mosaic GPU's CPU interpreter against the
 Triton inter kernel forming W and U in its loop, and lowered for an abstract H200.
 
 Tolerance: both kernels round the same operands to bf16 (S, beta v - bk S, v_new) and accumulate
@@ -20,14 +20,12 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda.chunk_math import C
-from pallas_kernels.kda.mosaic_gpu_inter import inter_mgpu
-from pallas_kernels.kda.pallas_intra import intra_stage
-from pallas_kernels.kda.pallas_kda import (
-    default_inter_kernel, pallas_chunk_kda, pallas_chunk_kda_fused_gate,
-)
+from pallas_kernels.kda.gpu_config import ChunkProblem, GpuChunkConfig, chunk_config
+from pallas_kernels.kda.gpu_pipeline import gpu_chunk_kda, gpu_chunk_kda_fused, intra_stage
+from pallas_kernels.kda.mosaic_gpu.inter import inter_mgpu
 from pallas_kernels.kda.reference import chunked_kda
 from tests.pallas_kernels.h200_lowering import lowered_for_h200
-from tests.kda.kda_cases import as_f32, kda_case, rel
+from tests.pallas_kernels.kda.kda_cases import as_f32, kda_case, rel
 
 _BF16, _F32 = jnp.bfloat16, jnp.float32
 TOL = 1e-3
@@ -49,8 +47,9 @@ def test_two_warpgroups_share_the_chunk_tiles() -> None:
         params={}, inverse_params={}, pairs="mosaic_gpu", with_wu=False)
     o, s = inter_mgpu(x, bk, v, beta, qg, kd, aqk, gl, s0, fused=False, interpret=True,
                       warpgroups=2)
-    o_tri, s_tri = pallas_chunk_kda(q, k, v, g, beta, initial_state=s0, interpret=True,
-                                    inter="fused", wu="loop", inter_kernel="triton")
+    o_tri, s_tri = gpu_chunk_kda(q, k, v, g, beta, initial_state=s0,
+                                 config=chunk_config(q, k, v, g, inter="fused",
+                                                     inter_kernel="triton"))
     assert o.dtype == _BF16 and s.dtype == _F32 and s.shape == s0.shape
     assert rel(o.astype(_F32), o_tri.astype(_F32)) <= TOL and rel(s, s_tri) <= TOL
     # and against the fp32 reference, within the bf16 path's bound (2e-2, as the Triton path's
@@ -64,7 +63,7 @@ def test_two_warpgroups_share_the_chunk_tiles() -> None:
 @pytest.mark.parametrize("T, K, V", [(1, 128, 128), (2 * C + 1, 64, 128), (C + 1, 128, 64)],
                          ids=["one chunk", "K64 V128", "K128 V64"])
 def test_forward_matches_the_triton_inter_kernel(T: int, K: int, V: int) -> None:
-    """Through ``pallas_chunk_kda_fused_gate`` (beta logits: the sigmoid in the loop)."""
+    """Through ``gpu_chunk_kda_fused`` (beta logits: the sigmoid in the loop)."""
     rng = np.random.default_rng(2)
     f = lambda *s: jnp.asarray(rng.standard_normal(s), _F32)  # noqa: E731
     H = 2
@@ -72,21 +71,25 @@ def test_forward_matches_the_triton_inter_kernel(T: int, K: int, V: int) -> None
     v = f(1, T, H, V).astype(_BF16)
     b_logit = f(1, T, H).astype(_BF16)
     A_log, dt_bias, s0 = 0.3 * f(H), 0.5 * f(H * K), 0.1 * f(1, H, K, V)
-    run = lambda ik: pallas_chunk_kda_fused_gate(  # noqa: E731
-        q, k, v, g_raw, b_logit, A_log, dt_bias, initial_state=s0, interpret=True,
-        inter="fused", inter_kernel=ik)
+    run = lambda ik: gpu_chunk_kda_fused(  # noqa: E731
+        q, k, v, g_raw, b_logit, A_log, dt_bias, lower_bound=-5.0, initial_state=s0,
+        config=chunk_config(q, k, v, g_raw, inter="fused", inter_kernel=ik))
     (o, s), (o_tri, s_tri) = run("mosaic_gpu"), run("triton")
     assert o.shape == (1, T, H, V) and s.shape == (1, H, K, V)
     assert rel(o.astype(_F32), o_tri.astype(_F32)) <= TOL and rel(s, s_tri) <= TOL
 
 
 def test_default_takes_it_where_it_fits() -> None:
-    assert default_inter_kernel("fused", "loop", 128, 128, _BF16, False) == "mosaic_gpu"
-    assert default_inter_kernel("fused", "loop", 128, 128, _F32, False) == "triton"
-    assert default_inter_kernel("fused", "loop", 128, 128, _BF16, True) == "triton"
-    assert default_inter_kernel("fused", "loop", 256, 128, _BF16, False) == "triton"
-    assert default_inter_kernel("fused", "kernel", 128, 128, _BF16, False) == "triton"
-    assert default_inter_kernel("two_pass", "loop", 128, 128, _BF16, False) == "triton"
+    def inter_kernel(inter: str, K: int, V: int, dtype, varlen: bool) -> str:
+        problem = ChunkProblem(K=K, V=V, q_dtype=_BF16, k_dtype=_BF16, v_dtype=dtype,
+                               g_dtype=_F32, sequence_heads=64, n_chunks=4, varlen=varlen)
+        return GpuChunkConfig.for_problem(problem, inter=inter).inter_kernel
+
+    assert inter_kernel("fused", 128, 128, _BF16, False) == "mosaic_gpu"
+    assert inter_kernel("fused", 128, 128, _F32, False) == "triton"
+    assert inter_kernel("fused", 128, 128, _BF16, True) == "triton"
+    assert inter_kernel("fused", 256, 128, _BF16, False) == "triton"
+    assert inter_kernel("two_pass", 128, 128, _BF16, False) == "triton"
 
 
 @pytest.mark.parametrize("fused, K, V", [(False, 128, 128), (True, 128, 128), (False, 64, 64)])
@@ -105,18 +108,21 @@ def test_lowers_for_h200(fused: bool, K: int, V: int) -> None:
 
 def test_rejects_what_it_cannot_take() -> None:
     q, k, v, g, beta, s0 = _bf16_case(3, C, 1, 64, 64)
-    with pytest.raises(ValueError, match=r"^inter_kernel='mosaic_gpu' needs the fused inter "
-                                         r"stage .* v float32"):
-        pallas_chunk_kda(q, k, v.astype(_F32), g, beta, interpret=True, inter="fused",
-                         inter_kernel="mosaic_gpu")
+    with pytest.raises(ValueError, match=r"^inter_kernel='mosaic_gpu' needs the fused or "
+                                         r"segmented inter stage, .* v float32"):
+        chunk_config(q, k, v.astype(_F32), g, inter="fused", inter_kernel="mosaic_gpu")
     with pytest.raises(ValueError, match=r"inter='two_pass'"):
-        pallas_chunk_kda(q, k, v, g, beta, interpret=True, inter="two_pass",
-                         inter_kernel="mosaic_gpu")
+        chunk_config(q, k, v, g, inter="two_pass", inter_kernel="mosaic_gpu")
     with pytest.raises(ValueError, match=r"cu_seqlens given"):
-        pallas_chunk_kda(q, k, v, g, beta, interpret=True, inter="fused",
-                         cu_seqlens=np.array([0, 10, C], np.int32), inter_kernel="mosaic_gpu")
+        chunk_config(q, k, v, g, inter="fused", cu_seqlens=np.array([0, 10, C], np.int32),
+                     inter_kernel="mosaic_gpu")
     with pytest.raises(ValueError, match=r"^inter_kernel: expected one of \('triton', "):
-        pallas_chunk_kda(q, k, v, g, beta, interpret=True, inter_kernel="cuda")
+        chunk_config(q, k, v, g, inter_kernel="cuda")
+    # a config made for another problem is checked against this one
+    config = chunk_config(q, k, v, g, inter="fused")
+    assert config.inter_kernel == "mosaic_gpu"
+    with pytest.raises(ValueError, match=r"^pairs='mosaic_gpu' needs bf16 q, k, v"):
+        gpu_chunk_kda(q, k, v.astype(_F32), g, beta, config=config)
     x = jnp.zeros((1, C, 1, C), _BF16)
     with pytest.raises(ValueError, match=r"^mosaic_gpu_inter: warpgroups=2 of 64 value columns "
                                          r"must cover"):

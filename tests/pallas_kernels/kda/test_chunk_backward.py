@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda.chunk_backward import chunk_kda_bwd
 from pallas_kernels.kda.reference import chunked_kda, naive_recurrent_kda
-from tests.kda.kda_cases import as_f32, kda_case
-from tests.kda.kda_cases import rel as kda_rel
+from tests.pallas_kernels.kda.chunk_backward import chunk_kda_bwd
+from tests.pallas_kernels.kda.kda_cases import as_f32, kda_case
+from tests.pallas_kernels.kda.kda_cases import rel as kda_rel
 
 B, H, K, V = 2, 2, 16, 24  # K != V on purpose
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")

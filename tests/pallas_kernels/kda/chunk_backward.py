@@ -1,6 +1,8 @@
-"""Analytic backward of chunked KDA in pure JAX (safe gate: every ``g >= -5``).
+"""Analytic backward of chunked KDA in pure JAX (safe gate: every ``g >= -5``): the test oracle of
+the GPU backward.
 
-Three passes, the same ones the Pallas backward (``pallas_kda_bwd.py``) runs as kernels:
+Three passes, the same ones the GPU backward (``pallas_kernels/kda/gpu_backward.py``) runs as
+kernels:
 
 1. per chunk, in parallel: recompute the forward's chunk quantities (``chunk_math.chunk_parts``:
    the WY representation W, U through ``(I + L)^{-1}``, Aqk, Qg, Kd, the chunk decay);

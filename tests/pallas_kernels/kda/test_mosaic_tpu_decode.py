@@ -9,8 +9,9 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _tpu_interp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kda.pallas_mosaic_tpu import tpu_kda_decode
+from pallas_kernels.kda.mosaic_tpu.decode import tpu_kda_decode
 from pallas_kernels.kda.reference import recurrent_kda_step
+from pallas_kernels.platform import target
 
 INTERP = pltpu.InterpretParams(detect_races=True)
 
@@ -100,5 +101,6 @@ def test_lowers_to_mosaic_tpu():
     f = jax.ShapeDtypeStruct
     args = (f((B, H, K), jnp.bfloat16), f((B, H, K), jnp.bfloat16), f((B, H, V), jnp.bfloat16),
             f((B, H, K), jnp.float32), f((B, H), jnp.float32), f((B, H, K, V), jnp.float32))
-    lowered = jax.jit(lambda *a: tpu_kda_decode(*a)).trace(*args).lower(lowering_platforms=("tpu",))
+    with target("tpu"):  # compile for TPU, not the interpreter
+        lowered = jax.jit(lambda *a: tpu_kda_decode(*a)).trace(*args).lower(lowering_platforms=("tpu",))
     assert "tpu_custom_call" in lowered.as_text()

@@ -22,7 +22,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.platform import current_platform
+
 _F32 = jnp.float32
+
+
+def default_interpret() -> bool | pltpu.InterpretParams:
+    """Compile for TPU on TPU; elsewhere run in TPU interpret mode (the TPU simulator on CPU)."""
+    return False if current_platform() == "tpu" else pltpu.InterpretParams()
 
 
 def _kernel(qkg_ref, v_ref, beta_ref, s_ref, o_ref, so_ref):
@@ -88,13 +95,14 @@ def tpu_kda_decode(
     *,
     scale: float | None = None,
     block_v: int | None = None,
-    interpret=False,
+    interpret: bool | pltpu.InterpretParams | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """One KDA decode step on TPU: q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state fp32 [B, H, K, V].
 
     Returns ``(o [B, H, V] in v.dtype, new_state fp32 [B, H, K, V])``. ``interpret``: False (compile for
-    TPU), True, or a ``pltpu.InterpretParams`` (TPU simulator on CPU). ``block_v`` must divide V and be
-    a multiple of 128 or equal V. Donate ``state`` under an outer jit for a truly in-place update.
+    TPU), True, or a ``pltpu.InterpretParams`` (TPU simulator on CPU); by default TPU interpret
+    mode off TPU. ``block_v`` must divide V and be a multiple of 128 or equal V. Donate ``state``
+    under an outer jit for a truly in-place update.
     """
     B, H, K = q.shape
     V = v.shape[-1]
@@ -106,4 +114,5 @@ def tpu_kda_decode(
     if V % bv or (bv != V and bv % 128):
         raise ValueError(f"block_v={bv} must divide V={V} and be a multiple of 128 (or equal V)")
     scale = K ** -0.5 if scale is None else float(scale)
+    interpret = default_interpret() if interpret is None else interpret
     return _decode(q, k, v, g, beta, state, scale=scale, block_v=bv, interpret=interpret)

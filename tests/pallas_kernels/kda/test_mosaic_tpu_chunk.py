@@ -1,6 +1,6 @@
 """Mosaic TPU chunked KDA forward under the TPU interpreter (CPU, race detection on) vs the fp32
-references, batched and packed (cu_seqlens); the api's TPU dispatch with jax.default_backend
-patched to "tpu"."""
+references, batched and packed (cu_seqlens); chunk_kda(implementation="mosaic_tpu") runs it in TPU
+interpret mode on CPU."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _tpu_interp
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kda import api
-from pallas_kernels.kda.pallas_mosaic_tpu_chunk import tpu_chunk_kda
+from pallas_kernels.kda import chunk_kda
+from pallas_kernels.kda.mosaic_tpu.chunk import tpu_chunk_kda
 from pallas_kernels.kda.reference import chunked_kda, naive_recurrent_kda
-from tests.kda.kda_cases import as_f32, kda_case, rel
+from pallas_kernels.platform import target
+from tests.pallas_kernels.kda.kda_cases import as_f32, kda_case, rel
 
 INTERP = pltpu.InterpretParams(detect_races=True)
 B, H, K, V = 2, 2, 32, 64  # K != V on purpose
@@ -150,29 +151,27 @@ def test_lowers_to_mosaic_tpu() -> None:
             f((Bt, T, Ht, D), jnp.bfloat16), f((Bt, T, Ht, D), jnp.float32),
             f((Bt, T, Ht), jnp.float32), f((Bt, Ht, D, D), jnp.float32))
     fn = lambda q, k, v, g, b, s0: tpu_chunk_kda(q, k, v, g, b, initial_state=s0)  # noqa: E731
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+    with target("tpu"):  # compile for TPU, not the interpreter
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
     assert "tpu_custom_call" in lowered.as_text()
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-def test_api_pallas_on_tpu_uses_it(monkeypatch: pytest.MonkeyPatch, varlen: bool) -> None:
-    """On TPU, chunk_kda(implementation="pallas") runs this kernel (here in the TPU interpreter),
-    with or without cu_seqlens, and is differentiable; "auto" keeps the XLA reference."""
-    monkeypatch.setattr(api.jax, "default_backend", lambda: "tpu")
-    assert api._select("pallas", LB) is api._tpu_op
-    assert api._select("auto", LB) is chunked_kda
+def test_api_runs_it_and_differentiates(varlen: bool) -> None:
+    """chunk_kda(implementation="mosaic_tpu") runs this kernel (here in the TPU interpreter), with
+    or without cu_seqlens, and is differentiable (the reference's VJP); the policy never picks it
+    (tests/pallas_kernels/kda/test_backends.py)."""
     x, cu = packed((30, 35), seed=4) if varlen else (make_inputs(65, seed=4), None)
     cot = jax.random.normal(jax.random.key(0), x["v"].shape)
 
     def loss(implementation, q, k, v, g, beta, s0):
-        o, s = api.chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                             cu_seqlens=cu, implementation=implementation, lower_bound=LB)
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                         cu_seqlens=cu, implementation=implementation, lower_bound=LB)
         return jnp.sum(o * cot) + jnp.sum(s * s0)
 
     args = (*_args(x), x["s0"])
-    with pltpu.force_tpu_interpret_mode(INTERP):
-        got = loss("pallas", *args)
-        grads = jax.grad(lambda *a: loss("pallas", *a), argnums=(0, 5))(*args)
+    got = loss("mosaic_tpu", *args)
+    grads = jax.grad(lambda *a: loss("mosaic_tpu", *a), argnums=(0, 5))(*args)
     assert rel(got, loss("xla", *args)) <= 1e-5
     expected = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 5))(*args)
     for got_g, want_g in zip(grads, expected):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import chunk_kda, kda_decode, naive_recurrent_kda, recurrent_kda_step
-from tests.kda.kda_cases import kda_case
+from tests.pallas_kernels.kda.kda_cases import kda_case
 
 B, H, K, V = 2, 3, 16, 24  # K != V on purpose
 
@@ -173,9 +173,9 @@ def test_chunk_kda_validation(name: str, make_bad) -> None:
 def test_dispatch_and_cu_seqlens_validation() -> None:
     x = f32(make_inputs(10))
     args = _args(x)[:5]
-    with pytest.raises(NotImplementedError, match="no Pallas KDA kernel"):
-        chunk_kda(*args, implementation="pallas")
-    with pytest.raises(ValueError, match="^implementation:"):
+    with pytest.raises(NotImplementedError, match="unbounded gate"):
+        chunk_kda(*args, implementation="pallas_gpu")
+    with pytest.raises(ValueError, match="^chunk_kda: implementation 'triton' is unknown"):
         chunk_kda(*args, implementation="triton")
     with pytest.raises(ValueError, match="^cu_seqlens:.*B == 1"):
         chunk_kda(*args, cu_seqlens=np.array([0, 10]))

@@ -1,4 +1,4 @@
-"""The Pallas KDA decode-step kernel (interpret mode on CPU) against ``recurrent_kda_step``."""
+"""The Triton KDA decode-step kernel (interpret mode on CPU) against ``recurrent_kda_step``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import kda_decode, recurrent_kda_step
-from pallas_kernels.kda.pallas_decode import pallas_kda_decode
+from pallas_kernels.kda.triton.decode import triton_kda_decode
 
 LB = -5.0
 
@@ -54,7 +54,7 @@ def rel(a: jax.Array, b: jax.Array) -> float:
 def test_matches_reference_fp32(B: int, H: int, K: int, V: int, block_v: int | None) -> None:
     x = make_inputs(B, H, K, V, seed=B * 100 + K + V)
     args = _jx(x)
-    o, s = pallas_kda_decode(*args, interpret=True, block_v=block_v)
+    o, s = triton_kda_decode(*args, block_v=block_v)
     ro, rs = recurrent_kda_step(*args)
     assert o.shape == (B, H, V) and o.dtype == jnp.float32
     assert s.shape == (B, H, K, V) and s.dtype == jnp.float32
@@ -63,14 +63,14 @@ def test_matches_reference_fp32(B: int, H: int, K: int, V: int, block_v: int | N
 
 def test_custom_scale() -> None:
     args = _jx(make_inputs(2, 2, 32, 64, seed=7))
-    o, s = pallas_kda_decode(*args, scale=0.3, interpret=True)
+    o, s = triton_kda_decode(*args, scale=0.3)
     ro, rs = recurrent_kda_step(*args, scale=0.3)
     assert rel(o, ro) <= 1e-6 and rel(s, rs) <= 1e-6
 
 
 def test_bf16_inputs() -> None:
     args = _jx(make_inputs(2, 3, 32, 64, seed=3), jnp.bfloat16)
-    o, s = pallas_kda_decode(*args, interpret=True)
+    o, s = triton_kda_decode(*args)
     ro, rs = recurrent_kda_step(*args)
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     assert rel(s, rs) <= 1e-6
@@ -89,8 +89,8 @@ def test_repeated_steps_with_aliased_state(donate: bool) -> None:
     for t in range(20):
         x = make_inputs(B, H, K, V, seed=1000 + t)
         q, k, v, g, beta, _ = _jx(x)
-        o, s_in = pallas_kda_decode(
-            q, k, v, g, beta, s_in, interpret=True, donate_state=donate, block_v=16
+        o, s_in = triton_kda_decode(
+            q, k, v, g, beta, s_in, donate_state=donate, block_v=16
         )
         ro, rs = recurrent_kda_step(q, k, v, g, beta, rs)
         assert rel(o, ro) <= 1e-6, t
@@ -102,10 +102,10 @@ def test_repeated_steps_with_aliased_state(donate: bool) -> None:
 def test_api_dispatch() -> None:
     args = _jx(make_inputs(2, 2, 32, 64, seed=5))
     ro, rs = recurrent_kda_step(*args)
-    for impl in ("auto", "xla", "pallas"):
+    for impl in (None, "xla", "pallas_gpu"):
         o, s = kda_decode(*args, implementation=impl)
         assert rel(o, ro) <= 1e-6 and rel(s, rs) <= 1e-6, impl
     with pytest.raises(ValueError, match="implementation"):
         kda_decode(*args, implementation="triton")
     with pytest.raises(ValueError, match="state"):
-        kda_decode(*args[:5], args[5].astype(jnp.bfloat16), implementation="pallas")
+        kda_decode(*args[:5], args[5].astype(jnp.bfloat16), implementation="pallas_gpu")

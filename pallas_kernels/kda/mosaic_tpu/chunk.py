@@ -13,7 +13,7 @@ matmuls only, so everything runs on the MXU and no value is sliced or indexed by
 are (8, 128); 16-row slices of a [64, 64] value would cut lanes):
 
 * ``G = tril(1) @ g``: the in-chunk cumulative gate as a matmul (no cumsum lowering needed).
-* ``Aqk`` and ``L`` with the midpoint offset per 16-row sub-chunk ``I`` (as ``pallas_kda.py``):
+* ``Aqk`` and ``L`` with the midpoint offset per 16-row sub-chunk ``I`` (as the GPU kernels, ``chunk_math.py``):
   ``(q e^{G_r - G_mI}) (k e^{G_mI - G_i})^T`` restricted to the rows of ``I``, so four full
   [64, K] x [K, 64] products each, masked by row block. With every ``g >= -5`` a row factor is at
   most ``e^{8 * 5} = e^40`` and a needed column factor at most ``e^35`` (clamped at 40 for the
@@ -38,8 +38,8 @@ chunks with identity steps (k = v = beta = 0, g = 0) and moved head-major (``[H,
 the wrapper.
 
 Status: tested only in TPU interpret mode on CPU (``pltpu.InterpretParams``, race detection on)
-and cross-lowered to Mosaic; it has not run on TPU hardware, so ``chunk_kda(implementation=
-"auto")`` keeps the XLA reference on TPU and only ``implementation="pallas"`` selects this kernel.
+and cross-lowered to Mosaic; it has not run on TPU hardware, so the dispatch policy keeps the XLA
+reference on TPU and this kernel runs only when asked for (``implementation="mosaic_tpu"``).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda.reference import host_offsets
+from pallas_kernels.kda.mosaic_tpu.decode import default_interpret
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
 _F32 = jnp.float32
@@ -207,7 +208,7 @@ def tpu_chunk_kda(
     scale: float | None = None,
     initial_state: jax.Array | None = None,
     cu_seqlens: object | None = None,
-    interpret=False,
+    interpret: bool | pltpu.InterpretParams | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked KDA forward on TPU (safe gate: every ``g`` in [-5, 0]; fla conventions).
 
@@ -215,7 +216,8 @@ def tpu_chunk_kda(
     initial_state fp32 [B, H, K, V] or None. Returns ``(o [B, T, H, V] in v.dtype, final state
     fp32 [B, H, K, V])``. ``cu_seqlens``: host int offsets [N + 1] of packed sequences (B == 1);
     then the states are [N, H, K, V] and no state crosses a sequence boundary. ``interpret``:
-    False (compile for TPU), True, or a ``pltpu.InterpretParams`` (TPU simulator on CPU).
+    False (compile for TPU), True, or a ``pltpu.InterpretParams`` (TPU simulator on CPU); by
+    default TPU interpret mode off TPU.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -243,6 +245,7 @@ def tpu_chunk_kda(
         raise ValueError(f"initial_state: expected shape {(n_states, H, K, V)} {layout_name}, "
                          f"got {tuple(initial_state.shape)}")
     scale = K**-0.5 if scale is None else float(scale)
+    interpret = default_interpret() if interpret is None else interpret
     flags = tuple(jnp.asarray(a) for a in _chunk_flags(chunk_offsets))
     if cu_seqlens is None:  # B sequences of n chunks: pad, then merge B into the token axis
         def aligned(x: jax.Array) -> jax.Array:

@@ -1,6 +1,6 @@
-"""The segmented inter stage (``segmented_inter.py``) and its first pass (``states_mgpu``) in Mosaic
-GPU's CPU interpreter, against the unsegmented Mosaic GPU inter kernel and the fp32 reference, and
-lowered for an abstract H200.
+"""The segmented inter stage (``mosaic_gpu/segmented_inter.py``) and its first pass
+(``states_mgpu``) in Mosaic GPU's CPU interpreter, against the unsegmented Mosaic GPU inter kernel
+and the fp32 reference, and lowered for an abstract H200.
 
 The inputs take a gentle gate (log-decay in (-0.02, 0)) so the state carries across many chunks:
 with K3's usual gate a chunk forgets its start almost entirely, and a wrong segment start state
@@ -22,17 +22,15 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda.chunk_math import C
-from pallas_kernels.kda.mosaic_gpu_inter import inter_mgpu, states_mgpu
-from pallas_kernels.kda.pallas_intra import intra_stage
-from pallas_kernels.kda.pallas_kda import (
-    default_inter, pallas_chunk_kda, pallas_chunk_kda_fused_gate,
+from pallas_kernels.kda.gpu_config import (
+    MIN_SEGMENT_CHUNKS, chunk_config, default_inter, segments_for,
 )
+from pallas_kernels.kda.gpu_pipeline import gpu_chunk_kda, gpu_chunk_kda_fused, intra_stage
+from pallas_kernels.kda.mosaic_gpu.inter import inter_mgpu, states_mgpu
+from pallas_kernels.kda.mosaic_gpu.segmented_inter import _as_segments, inter_segments
 from pallas_kernels.kda.reference import chunked_kda
-from pallas_kernels.kda.segmented_inter import (
-    MIN_SEGMENT_CHUNKS, _as_segments, inter_segments, segments_for,
-)
 from tests.pallas_kernels.h200_lowering import lowered_for_h200
-from tests.kda.kda_cases import as_f32, kda_case, rel
+from tests.pallas_kernels.kda.kda_cases import as_f32, kda_case, rel
 
 _BF16, _F32 = jnp.bfloat16, jnp.float32
 B, T, H, K, V = 2, 4 * C, 2, 64, 128  # K != V: the transition columns are K wide
@@ -92,7 +90,7 @@ def test_segments_match_the_unsegmented_kernel(case) -> None:
 
 
 def test_forward_with_two_segments_equals_the_fused_stage() -> None:
-    """Through ``pallas_chunk_kda_fused_gate``: T padded to whole segments with identity steps
+    """Through ``gpu_chunk_kda_fused``: T padded to whole segments with identity steps
     (gate and beta logits at -inf), the output cut back to T, and ``return_intra``'s (X, Aqk)
     cut to whole chunks, as the backward takes them."""
     rng = np.random.default_rng(1)
@@ -101,16 +99,17 @@ def test_forward_with_two_segments_equals_the_fused_stage() -> None:
     q, k, g_raw = (f(1, Tx, H, K).astype(_BF16) for _ in range(3))
     v, b_logit = f(1, Tx, H, V).astype(_BF16), f(1, Tx, H).astype(_BF16)
     A_log, dt_bias, s0 = 0.3 * f(H), f(H * K) - 4.0, 0.1 * f(1, H, K, V)
-    run = lambda inter: pallas_chunk_kda_fused_gate(  # noqa: E731
-        q, k, v, g_raw, b_logit, A_log, dt_bias, initial_state=s0, interpret=True, inter=inter)
+    run = lambda inter: gpu_chunk_kda_fused(  # noqa: E731
+        q, k, v, g_raw, b_logit, A_log, dt_bias, lower_bound=-5.0, initial_state=s0,
+        config=chunk_config(q, k, v, g_raw, inter=inter))
     (o, s), (o_ref, s_ref) = run("segments"), run("fused")
     assert o.shape == (1, Tx, H, V) and s.shape == (1, H, K, V)
     assert rel(o.astype(_F32), o_ref.astype(_F32)) <= EXACT and rel(s, s_ref) <= EXACT
     x_ = as_f32(kda_case(np.random.default_rng(2), 1, Tx, H, K, V))
     ins = [x_[n].astype(_BF16) for n in ("q", "k", "v", "g")] + [x_["beta"]]
-    _, _, (xx, aqk) = pallas_chunk_kda(*ins, interpret=True, inter="segments", return_intra=True)
-    _, _, (xx_ref, aqk_ref) = pallas_chunk_kda(*ins, interpret=True, inter="fused",
-                                               return_intra=True)
+    run = lambda inter: gpu_chunk_kda(  # noqa: E731
+        *ins, config=chunk_config(*ins[:4], inter=inter), return_intra=True)
+    (_, _, (xx, aqk)), (_, _, (xx_ref, aqk_ref)) = run("segments"), run("fused")
     assert xx.shape == aqk.shape == (1, 3 * C, H, C)
     assert jnp.array_equal(xx, xx_ref) and jnp.array_equal(aqk, aqk_ref)
 
@@ -132,8 +131,11 @@ def test_naming_the_triton_inter_kernel_keeps_the_two_pass_default() -> None:
     assert segments_for(1, 2 * MIN_SEGMENT_CHUNKS) == 2  # by default these would be segmented
     x = as_f32(kda_case(np.random.default_rng(5), 1, 2 * MIN_SEGMENT_CHUNKS * C, 1, 64, 64))
     ins = [x[n].astype(_BF16) for n in ("q", "k", "v", "g")] + [x["beta"]]
-    o, s = pallas_chunk_kda(*ins, interpret=True, inter_kernel="triton")
-    o_ref, s_ref = pallas_chunk_kda(*ins, interpret=True, inter="two_pass", inter_kernel="triton")
+    config = chunk_config(*ins[:4], inter_kernel="triton")
+    assert config.inter == "two_pass"
+    o, s = gpu_chunk_kda(*ins, config=config)
+    o_ref, s_ref = gpu_chunk_kda(*ins, config=chunk_config(*ins[:4], inter="two_pass",
+                                                            inter_kernel="triton"))
     assert jnp.array_equal(o, o_ref) and jnp.array_equal(s, s_ref)
 
 
@@ -142,15 +144,11 @@ def test_rejects_what_it_cannot_take() -> None:
     q, k, v, g = (x[n].astype(_BF16) for n in ("q", "k", "v", "g"))
     needs = r"^inter='segments' runs the Mosaic GPU inter kernels: .*"
     with pytest.raises(ValueError, match=needs + "v float32"):
-        pallas_chunk_kda(q, k, v.astype(_F32), g, x["beta"], interpret=True, inter="segments")
+        chunk_config(q, k, v.astype(_F32), g, inter="segments")
     with pytest.raises(ValueError, match=needs + "cu_seqlens given"):
-        pallas_chunk_kda(q, k, v, g, x["beta"], interpret=True, inter="segments",
-                         cu_seqlens=np.array([0, 10, C], np.int32))
+        chunk_config(q, k, v, g, inter="segments", cu_seqlens=np.array([0, 10, C], np.int32))
     with pytest.raises(ValueError, match=needs + "inter_kernel='triton'"):
-        pallas_chunk_kda(q, k, v, g, x["beta"], interpret=True, inter="segments",
-                         inter_kernel="triton")
-    with pytest.raises(ValueError, match=needs + "wu='kernel'"):
-        pallas_chunk_kda(q, k, v, g, x["beta"], interpret=True, inter="segments", wu="kernel")
+        chunk_config(q, k, v, g, inter="segments", inter_kernel="triton")
     z = jnp.zeros((1, 3 * C, 1, C), _BF16)
     with pytest.raises(ValueError, match=r"^inter_segments: segments=2 must be at least 2 and "
                                          r"divide the 3 chunks"):

@@ -1,14 +1,12 @@
 """The KDA intra stage's pair kernel in Mosaic GPU (Hopper: TMA copies, wgmma products).
 
-Same outputs as ``pallas_intra.intra_pairs`` (``L`` fp32, ``bk``, ``Qg``, ``Kd``, ``Aqk``, ``gl``),
-from bf16 q, k and a bf16 or fp32 gate, one chunk of one head per warpgroup (grid ``(N, H, B)``).
-Why a second backend for this one kernel: in the Pallas-Triton form it took half the forward (4.84
-of 9.48 ms at B4 T8192 H96) because Triton cannot slice register tiles, so each 16-column block of
-``L`` and ``Aqk`` is a masked ``[64, K] x [K, 64]`` product (4x the tensor-core work) at 255
-registers. Here each block is its own ``[64, K] x [K, 16]`` wgmma into a column slice of one
-accumulator, and the operands go through shared memory explicitly: 3.55 ms, the forward 8.18 ms,
-7.38 with the inter stage's new tiles (benchmarks/RESULTS.md, ninth run), 6.99 once the inter stage
-forms W and U itself (tenth run).
+Same outputs as ``triton.intra.intra_pairs`` (``L`` fp32, ``bk``, ``Qg``, ``Kd``, ``Aqk``,
+``gl``), from bf16 q, k and a bf16 or fp32 gate, one chunk of one head per warpgroup (grid
+``(N, H, B)``). Why a second backend for this one kernel: in the Pallas-Triton form it took about
+half the forward because Triton cannot slice register tiles, so each 16-column block of ``L`` and
+``Aqk`` is a masked ``[64, K] x [K, 64]`` product (4x the tensor-core work) at 255 registers. Here
+each block is its own ``[64, K] x [K, 16]`` wgmma into a column slice of one accumulator, and the
+operands go through shared memory explicitly (timings in benchmarks/RESULTS.md).
 
 Work per chunk (``G`` in units of ln 2 and ``exp2``; kda.md 2.1 / 2.4, ``chunk_math``'s midpoint
 factorisation with the column block's midpoint ``m_j``):
@@ -32,7 +30,7 @@ factorisation with the column block's midpoint ``m_j``):
 
 Shared memory ~105 KB and 255 registers: two warpgroups per SM. The body places its own barriers
 (``commit_smem``) and runs with Mosaic GPU's automatic ones off (a first form with them, the rows
-of G taken by cross-warp reductions and G reloaded from shared memory took 11.8 ms).
+of G taken by cross-warp reductions and G reloaded from shared memory, was several times slower).
 """
 
 from __future__ import annotations
@@ -45,9 +43,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.chunk_math import BC, C, CLAMP, MID, NC
-from pallas_kernels.kda.intra_blocks import pair_output_types
-from pallas_kernels.kda.mosaic_gpu_tiles import (
+from pallas_kernels.kda.chunk_math import BC, C, CLAMP, MID, NC, pair_output_types
+from pallas_kernels.kda.reference import L2_NORM_EPS
+from pallas_kernels.kda.mosaic_gpu.tiles import (
     BF16_TILES, COLS, F32_TILES, HALF, ROWS, WG, rows, sigmoid,
 )
 
@@ -108,8 +106,8 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int, g
             qh, kh = _tile(tq.at[hh]), _tile(tk.at[hh])
             sq, sk = jnp.sum(qh * qh, axis=1), jnp.sum(kh * kh, axis=1)
             ssq, ssk = (sq, sk) if ssq is None else (ssq + sq, ssk + sk)
-        rq = rows(lax.rsqrt(ssq + 1e-6) * scale)
-        rk = rows(lax.rsqrt(ssk + 1e-6))
+        rq = rows(lax.rsqrt(ssq + L2_NORM_EPS) * scale)
+        rk = rows(lax.rsqrt(ssk + L2_NORM_EPS))
         beta = rows(sigmoid(plgpu.load(beta_s, layout=ROWS)))
     else:
         rq, rk = scale, 1.0
@@ -208,21 +206,21 @@ def _pairs_body(*refs, scale: float, fused: bool, lower_bound: float, nk: int, g
     plgpu.wait_smem_to_gmem(0)
 
 
-def takes(q: jax.Array, k: jax.Array, g: jax.Array) -> bool:
-    """Whether the kernel takes these inputs once T is padded to whole chunks: bf16 q, k (its
-    operand tiles are bf16), a bf16 or fp32 gate, K a multiple of the swizzle tile."""
-    return (q.dtype == _BF16 and k.dtype == _BF16 and g.dtype in (_BF16, _F32)
-            and q.shape[-1] % HALF == 0)
+def takes(q_dtype, k_dtype, g_dtype, K: int) -> bool:
+    """Whether the kernel takes inputs of these dtypes and key width once T is padded to whole
+    chunks: bf16 q, k (its operand tiles are bf16), a bf16 or fp32 gate, K a multiple of the
+    swizzle tile."""
+    return q_dtype == _BF16 and k_dtype == _BF16 and g_dtype in (_BF16, _F32) and K % HALF == 0
 
 
 def intra_pairs_mgpu(ins, *, scale: float, fused: bool, lower_bound: float, interpret: bool):
-    """``(L fp32, bk, Qg, Kd, Aqk, gl)`` of every chunk, as ``pallas_intra.intra_pairs``.
+    """``(L fp32, bk, Qg, Kd, Aqk, gl)`` of every chunk, as ``triton.intra.intra_pairs``.
     ``ins``: bf16 q, k (v unused), a bf16 or fp32 gate g, beta [, gate_scale, dt_bias when
     ``fused``], T a multiple of 64, K a multiple of 64. ``interpret``: Mosaic GPU's CPU
     interpreter (tests)."""
     q, k, _, g, beta = ins[:5]
     B, Tp, H, K = q.shape
-    if not takes(q, k, g) or Tp % C:
+    if not takes(q.dtype, k.dtype, g.dtype, K) or Tp % C:
         raise ValueError(f"mosaic_gpu_pairs: wants bf16 q, k [B, T, H, K] and a bf16 or fp32 g, "
                          f"T % {C} == 0 and K % {HALF} == 0, got q {q.dtype} {q.shape}, k "
                          f"{k.dtype}, g {g.dtype}")

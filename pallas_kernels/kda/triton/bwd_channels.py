@@ -2,21 +2,18 @@
 
 One program per (chunk, block of ``bk`` key channels), grid ``(K / bk, H, N, B)``: the channel
 block varies fastest, so the programs of one chunk run together and its ``dL``, ``dAqk``, ``dO``,
-``v_new`` and ``yu``, which each of them reads whole, come from L2 after the first (on an H200 the
-gradient pass took 22.7 ms at B4 T8192 H96 and 3.8 at B1 T32768 H16, against 25.7 and 4.2 with the
-batch fastest; benchmarks/RESULTS.md, seventh run). Everything the
-key side needs is per channel once the chunk's ``dL`` and ``dAqk`` exist (the chunk kernel forms
-them: ``dL = -yu v_new^T``, which contracts over V): the V-contracting sums of the block's
-channels (``dQg = dO h^T``, ``dKd = v_new dh^T``, ``A^T dW = -yu h^T``, ``dgl = sum_V h dh``,
-from the block's rows of the chunk's state and state gradient) and then
-``chunk_math.key_grads_from_sums`` on the block's channels, the same algebra as the pure-JAX
-backward: the pair terms as [64, 64] x [64, bk] products masked by row block. Only dbeta sums
-over channels: each program writes its block's partial sums and the wrapper adds them.
+``v_new`` and ``yu``, which each of them reads whole, come from L2 after the first (faster than
+the batch fastest; benchmarks/RESULTS.md). Everything the key side needs is per channel once the
+chunk's ``dL`` and ``dAqk`` exist (the chunk kernel forms them: ``dL = -yu v_new^T``, which
+contracts over V): the V-contracting sums of the block's channels (``dQg = dO h^T``,
+``dKd = v_new dh^T``, ``A^T dW = -yu h^T``, ``dgl = sum_V h dh``, from the block's rows of the
+chunk's state and state gradient) and then ``chunk_math.key_grads_from_sums`` on the block's
+channels, the same algebra as the pure-JAX backward: the pair terms as [64, 64] x [64, bk]
+products masked by row block. Only dbeta sums over channels: each program writes its block's
+partial sums and the wrapper adds them.
 
-Measured on an H200 (benchmarks/RESULTS.md) against the former 16x16-block key side (the pair
-terms block by block, ~5x fewer multiply-adds): the gradient pass 27.5 vs 30.5 ms at B4 T8192 H96,
-4.56 vs 5.00 ms at B1 T32768 H16 (32 channels, 4 warps; 16 channels and 8 warps were slower), so
-the block version was removed, as was an earlier per-chunk key side over all 128 channels.
+A key side by 16x16 blocks (the pair terms block by block, about 5x fewer multiply-adds) and one
+per chunk over all channels were both measured slower and removed (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import C, causal_masks, dot, key_grads_from_sums, row_block
-from pallas_kernels.kda.intra_blocks import gate_exp
+from pallas_kernels.kda.triton.intra_blocks import gate_exp
 
 _F32 = jnp.float32
 

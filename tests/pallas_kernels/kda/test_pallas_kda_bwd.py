@@ -1,4 +1,5 @@
-"""The Pallas KDA backward kernels (interpret mode on CPU) against the pure-JAX analytic backward.
+"""The GPU KDA backward (``gpu_backward``; interpret mode on CPU) against the pure-JAX analytic
+backward.
 
 The kernels recompute the chunk quantities with the forward's own intra kernels (whole-chunk pair
 products from a Triton cumsum, 16x16-block inverse) while the pure-JAX backward uses XLA's cumsum
@@ -17,13 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_chunk_backward import NAMES, B, H, K, V, make_case, rel
 
-from pallas_kernels.kda.chunk_backward import chunk_kda_bwd
-from pallas_kernels.kda.pallas_kda import INVERSE_WARPS, pallas_chunk_kda
-from pallas_kernels.kda.pallas_kda_bwd import default_states, pallas_chunk_kda_bwd
+from pallas_kernels.kda.gpu_backward import gpu_chunk_kda_bwd
+from pallas_kernels.kda.gpu_config import (
+    INVERSE_WARPS, backward_config, chunk_config, default_states,
+)
+from pallas_kernels.kda.gpu_pipeline import gpu_chunk_kda
 from pallas_kernels.kda.reference import chunked_kda
 from tests.pallas_kernels.h200_lowering import lowered_for_h200
+from tests.pallas_kernels.kda.chunk_backward import chunk_kda_bwd
+from tests.pallas_kernels.kda.test_chunk_backward import NAMES, B, H, K, V, make_case, rel
 
 
 def _args(x, with_state: bool) -> tuple:
@@ -36,8 +40,8 @@ def _args(x, with_state: bool) -> tuple:
 def test_matches_pure_jax_backward(T: int, with_state: bool, grads_block_k: int) -> None:
     args = _args(make_case(T, seed=T), with_state)
     want = chunk_kda_bwd(*args, scale=K**-0.5)
-    got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, interpret=True, block_v=8,
-                               grads_block_k=grads_block_k)
+    got = gpu_chunk_kda_bwd(*args, scale=K**-0.5, config=backward_config(
+        args[0], args[2], block_v=8, grads_block_k=grads_block_k))
     for name, a, b in zip(NAMES, got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert rel(a, b) <= 2e-5, name
@@ -50,7 +54,8 @@ def test_bf16_matches_pure_jax_backward() -> None:
     args = tuple(a.astype(jnp.bfloat16) if i in (0, 1, 2, 3, 4, 6) else a
                  for i, a in enumerate(_args(x, True)))
     want = chunk_kda_bwd(*args, scale=K**-0.5)
-    got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, interpret=True, block_v=8, grads_block_k=8)
+    got = gpu_chunk_kda_bwd(*args, scale=K**-0.5,
+                            config=backward_config(args[0], args[2], block_v=8, grads_block_k=8))
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == b.dtype, name
         assert rel(a, b) <= 1e-2, name
@@ -63,18 +68,18 @@ def test_default_blocks_fit_any_v() -> None:
         x["v"], x["do"] = (jnp.concatenate([x[n]] * 2, axis=-1)[..., :v_dim] for n in ("v", "do"))
         x["s0"], x["dht"] = (jnp.concatenate([x[n]] * 2, axis=-1)[..., :v_dim]
                              for n in ("s0", "dht"))
-        got = pallas_chunk_kda_bwd(*_args(x, True), scale=K**-0.5, interpret=True)
+        got = gpu_chunk_kda_bwd(*_args(x, True), scale=K**-0.5)
         assert got[2].shape == x["v"].shape and got[5].shape == x["s0"].shape
 
 
 def test_validates_block_v() -> None:
     args = _args(make_case(1, seed=0), True)
-    with pytest.raises(ValueError, match="block_v"):
-        pallas_chunk_kda_bwd(*args, scale=1.0, interpret=True, block_v=16)
-    with pytest.raises(ValueError, match="grads_block_k"):
-        pallas_chunk_kda_bwd(*args, scale=1.0, interpret=True, grads_block_k=0)
+    with pytest.raises(ValueError, match="^block_v"):
+        backward_config(args[0], args[2], block_v=16)
+    with pytest.raises(ValueError, match="^grads_block_k"):
+        backward_config(args[0], args[2], grads_block_k=0)
     with pytest.raises(ValueError, match="dht: expected shape"):
-        pallas_chunk_kda_bwd(*args[:7], args[7][:1], scale=1.0, interpret=True)
+        gpu_chunk_kda_bwd(*args[:7], args[7][:1], scale=1.0)
 
 
 def _packed_case(seed: int) -> tuple[tuple, np.ndarray]:
@@ -94,8 +99,8 @@ def test_packed_sequences_match_reference_autodiff() -> None:
     _, vjp = jax.vjp(lambda *a: chunked_kda(*a[:5], scale=K**-0.5, initial_state=a[5],
                                             cu_seqlens=cu), *args[:6])
     want = vjp(args[6:])
-    got = pallas_chunk_kda_bwd(*args, scale=K**-0.5, cu_seqlens=cu, interpret=True, block_v=8,
-                               grads_block_k=8)
+    got = gpu_chunk_kda_bwd(*args, scale=K**-0.5, cu_seqlens=cu, config=backward_config(
+        args[0], args[2], cu_seqlens=cu, block_v=8, grads_block_k=8))
     for name, a, b in zip(NAMES, got, want):
         assert a.shape == b.shape, name
         assert rel(a, b) <= 2e-5, name
@@ -117,8 +122,8 @@ def test_warps_reach_only_their_stages() -> None:
     and the recompute keeps ``num_warps`` (lowered for an abstract H200 on CPU: the Triton custom
     calls carry their launch parameters)."""
     args = _abstract_bwd_args()
-    fn = lambda *a: pallas_chunk_kda_bwd(  # noqa: E731
-        *a, scale=D_GPU**-0.5, interpret=False, grads_warps=2, states_warps=1)
+    config = backward_config(args[0], args[2], grads_warps=2, states_warps=1)
+    fn = lambda *a: gpu_chunk_kda_bwd(*a, scale=D_GPU**-0.5, config=config)  # noqa: E731
     text = lowered_for_h200(fn, *args)
     warps = {re.search(r'name = "([^"]+)"', line).group(1): int(re.search(r"num_warps = (\d+)", line).group(1))
              for line in text.splitlines() if "__gpu$xla.gpu.triton" in line}
@@ -133,8 +138,8 @@ def test_warps_reach_only_their_stages() -> None:
 
 def _kept_intra(args: tuple, cu_seqlens=None) -> tuple:
     """The forward's ``(X, Aqk)`` for these backward arguments."""
-    *_, intra = pallas_chunk_kda(*args[:5], scale=K**-0.5, initial_state=args[5],
-                                 cu_seqlens=cu_seqlens, interpret=True, return_intra=True)
+    *_, intra = gpu_chunk_kda(*args[:5], scale=K**-0.5, initial_state=args[5],
+                              cu_seqlens=cu_seqlens, return_intra=True)
     return intra
 
 
@@ -148,9 +153,9 @@ def test_intra_from_the_forward_changes_nothing(dtype) -> None:
                  for i, a in enumerate(_args(x, True)))
     intra = _kept_intra(args)
     assert all(a.shape == (B, 192, H, 64) and a.dtype == dtype for a in intra)
-    kw = dict(scale=K**-0.5, interpret=True, block_v=8, grads_block_k=8)
-    got = pallas_chunk_kda_bwd(*args, intra=intra, **kw)
-    want = pallas_chunk_kda_bwd(*args, **kw)
+    kw = dict(scale=K**-0.5, config=backward_config(args[0], args[2], block_v=8, grads_block_k=8))
+    got = gpu_chunk_kda_bwd(*args, intra=intra, **kw)
+    want = gpu_chunk_kda_bwd(*args, **kw)
     for name, a, b in zip(NAMES, got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
@@ -160,9 +165,10 @@ def test_intra_from_the_forward_packed_sequences() -> None:
     args, cu = _packed_case(seed=11)
     intra = _kept_intra(args, cu)
     assert intra[0].shape == (1, 64 * 4, H, 64)  # chunks of 5, 64, 70 tokens: 1 + 1 + 2
-    kw = dict(scale=K**-0.5, cu_seqlens=cu, interpret=True, block_v=8, grads_block_k=8)
-    got = pallas_chunk_kda_bwd(*args, intra=intra, **kw)
-    want = pallas_chunk_kda_bwd(*args, **kw)
+    kw = dict(scale=K**-0.5, cu_seqlens=cu, config=backward_config(
+        args[0], args[2], cu_seqlens=cu, block_v=8, grads_block_k=8))
+    got = gpu_chunk_kda_bwd(*args, intra=intra, **kw)
+    want = gpu_chunk_kda_bwd(*args, **kw)
     for name, a, b in zip(NAMES, got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
@@ -171,20 +177,20 @@ def test_intra_shape_is_checked() -> None:
     args = _args(make_case(65, seed=0), True)
     intra = _kept_intra(args)
     with pytest.raises(ValueError, match=r"^intra\[1\] \(Aqk\): expected shape \(2, 128, "):
-        pallas_chunk_kda_bwd(*args, scale=1.0, interpret=True, intra=(intra[0], intra[1][:, :64]))
+        gpu_chunk_kda_bwd(*args, scale=1.0, intra=(intra[0], intra[1][:, :64]))
 
 
 def test_kept_intra_lowers_without_a_second_pair_kernel() -> None:
     """Forward with ``return_intra`` and backward with ``intra``, lowered for an abstract H200:
-    the pair and inverse kernels run once (in the forward, here with its W/U kernel); the
-    backward's intra stage is the one ``kda_intra_saved_parts`` kernel."""
+    the pair and inverse kernels run once (in the forward, here the two-pass stage with its W/U
+    kernel); the backward's intra stage is the one ``kda_intra_saved_parts`` kernel."""
     args = _abstract_bwd_args()
 
     def fwd_bwd(q, k, v, g, beta, s0, do, dht):
-        *_, intra = pallas_chunk_kda(q, k, v, g, beta, initial_state=s0, interpret=False,
-                                     return_intra=True, wu="kernel")
-        return pallas_chunk_kda_bwd(q, k, v, g, beta, s0, do, dht, scale=D_GPU**-0.5,
-                                    interpret=False, intra=intra)
+        config = chunk_config(q, k, v, g, inter="two_pass")
+        *_, intra = gpu_chunk_kda(q, k, v, g, beta, initial_state=s0, config=config,
+                                  return_intra=True)
+        return gpu_chunk_kda_bwd(q, k, v, g, beta, s0, do, dht, scale=D_GPU**-0.5, intra=intra)
 
     text = lowered_for_h200(fwd_bwd, *args)
     names = re.findall(r'name = "(kda_[a-z_]+)"', text)
@@ -202,7 +208,7 @@ def test_default_states_by_sequence_heads(heads: int) -> None:
     args = (f(tok, jnp.bfloat16), f(tok, jnp.bfloat16), f(val, jnp.bfloat16), f(tok, jnp.float32),
             f((1, 64, heads), jnp.float32), f(st, jnp.float32), f(val, jnp.bfloat16),
             f(st, jnp.float32))
-    fn = lambda *a: pallas_chunk_kda_bwd(*a, scale=0.25, interpret=False)  # noqa: E731
+    fn = lambda *a: gpu_chunk_kda_bwd(*a, scale=0.25)  # noqa: E731
     text = lowered_for_h200(fn, *args)
     block_v, warps = default_states(heads)
     assert (block_v, warps) == ((16, 4) if heads < 128 else (128, 8))

@@ -1,30 +1,27 @@
-"""The KDA forward's intra-chunk stage as three kernels, on whole 64-row chunks.
+"""The KDA forward's intra-chunk stage as Pallas-Triton kernels, on whole 64-row chunks.
 
-1. ``_pairs_kernel``, grid ``(B, H, N)``: input activations, the cumulative gate ``G`` of the
-   whole chunk, ``Qg``, ``Kd``, ``bk = beta k e^G``, ``gl = e^{G_last}``, and the pair matrices
-   ``L = beta_r P(k, k)`` (strict, fp32) and ``Aqk = P(q, k)`` (causal) from
+1. ``intra_pairs`` (``_pairs_kernel``), grid ``(B, H, N)``: input activations, the cumulative
+   gate ``G`` of the whole chunk, ``Qg``, ``Kd``, ``bk = beta k e^G``, ``gl = e^{G_last}``, and
+   the pair matrices ``L = beta_r P(k, k)`` (strict, fp32) and ``Aqk = P(q, k)`` (causal) from
    ``chunk_math.pair_scores_many`` (row factors from each row's sub-chunk midpoint, one column
-   factor per sub-chunk: [64, K] x [K, 64] products masked by row block).
-2. ``_inverse_kernel``: ``X = (I + L)^{-1}`` by 16x16 blocks (``intra_blocks.unit_lower_inverse``)
+   factor per sub-chunk: [64, K] x [K, 64] products masked by row block). Where the Mosaic GPU
+   pair kernel fits (``gpu_config``) it replaces this one.
+2. ``chunk_inverses``: ``X = (I + L)^{-1}`` by 16x16 blocks (``intra_blocks.unit_lower_inverse``)
    from the stored ``L``, on one warp.
-3. ``_wu_kernel``: ``W = X bk``, ``U = X (beta v)``; not run when the fused inter stage forms
-   them in its own loop (``pallas_kda.WU``).
-
-For bf16 q, k, v (the gate bf16 or fp32) with K a multiple of 64 the Mosaic GPU pair kernel
-(``mosaic_gpu_pairs.py``, the same outputs) replaces the first by default (``default_pairs``,
-``pair_matrices``).
+3. ``intra_wu``: ``W = X bk``, ``U = X (beta v)``, for the two-pass inter stage (the fused and
+   segmented ones form them in their own loops).
 
 The backward, when the forward kept X and Aqk, needs only the gate terms and W, U again:
-``_saved_parts_kernel`` (``intra_from_inverse``), one kernel without pair products or inverse.
+``intra_from_inverse``, one kernel without pair products or inverse.
 
-Why this shape: a single kernel over 16-row sub-chunks (the former "v1" stage) put ~80 small
-products through shared-memory layout changes and barriers, and at 8 warps every 16x16 tile was
-held and computed by several warps at once; it took 13.5 ms at B4 T8192 H96 where this stage and
-the inter kernel together take 9.7 (benchmarks/RESULTS.md). Here the pair and W/U kernels only
-make 64-row products, 4x more tensor-core work than the 16x16 blocks need but far fewer
-instructions, and the one part that needs 16x16 blocks, the triangular inverse, runs alone on
-one warp, where a tile is neither replicated nor synchronised across warps. The price is an HBM
-round trip of ``L`` (fp32), ``X`` and ``bk``.
+Why this shape: a single kernel over 16-row sub-chunks put many small products through
+shared-memory layout changes and barriers, and at 8 warps every 16x16 tile was held and computed
+by several warps at once; it was measured slower than this stage and the inter kernel together
+(benchmarks/RESULTS.md). Here the pair and W/U kernels only make 64-row products, 4x more
+tensor-core work than the 16x16 blocks need but far fewer instructions, and the one part that
+needs 16x16 blocks, the triangular inverse, runs alone on one warp, where a tile is neither
+replicated nor synchronised across warps. The price is an HBM round trip of ``L`` (fp32), ``X``
+and ``bk``.
 """
 
 from __future__ import annotations
@@ -36,13 +33,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_math import (
-    BC, BF16X3, C, NC, causal_masks, dot, pair_scores_many, row,
+    BC, BF16X3, C, NC, causal_masks, dot, pair_output_types, pair_scores_many, row,
 )
-from pallas_kernels.kda.intra_blocks import (
-    activations, approx_math, beta_values, gate_exp, matmul_dtypes, pair_output_types,
-    unit_lower_inverse,
+from pallas_kernels.kda.triton.intra_blocks import (
+    activations, approx_math, beta_values, gate_exp, matmul_dtypes, unit_lower_inverse,
 )
-from pallas_kernels.kda import mosaic_gpu_pairs
 
 _F32 = jnp.float32
 
@@ -131,34 +126,6 @@ def _wu_kernel(x_ref, bk_ref, v_ref, b_ref, w_ref, u_ref, *, mm_dtype, fused):
     u_ref[b, ts, h, :] = dot(X, bv, mm_dtype).astype(u_ref.dtype)
 
 
-PAIR_KERNELS = ("triton", "mosaic_gpu")
-
-
-def mosaic_gpu_pairs_fit(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array) -> bool:
-    """Whether the forward can take ``mosaic_gpu_pairs``: its inputs (``takes``: bf16 q, k, a bf16
-    or fp32 gate, whole 64-channel swizzle tiles; an fp32 gate stays exact, rounded to bf16 it
-    would move a chunk's decays by up to ``|G| 2^-9``) and bf16 v, since its outputs are bf16
-    where the rest of the stage stores intermediates in v's dtype."""
-    return v.dtype == jnp.bfloat16 and mosaic_gpu_pairs.takes(q, k, g)
-
-
-def default_pairs(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array) -> str:
-    """The pair kernel when a call names none: the Mosaic GPU one wherever it fits (3.55 vs
-    4.84 ms at B4 T8192 H96, 0.71 vs 0.89 at B1 T32768 H16 on an H200, benchmarks/RESULTS.md),
-    else this file's."""
-    return "mosaic_gpu" if mosaic_gpu_pairs_fit(q, k, v, g) else "triton"
-
-
-def pair_matrices(ins, *, scale, fused, lower_bound, interpret, params, pairs):
-    """``(L fp32, bk, Qg, Kd, Aqk, gl)`` of every chunk from the named pair kernel
-    (``PAIR_KERNELS``; ``params``: the Triton one's launch parameters)."""
-    if pairs == "mosaic_gpu":
-        return mosaic_gpu_pairs.intra_pairs_mgpu(ins, scale=scale, fused=fused,
-                                                 lower_bound=lower_bound, interpret=interpret)
-    return intra_pairs(ins, scale=scale, fused=fused, lower_bound=lower_bound,
-                       interpret=interpret, params=params)
-
-
 def intra_pairs(ins, *, scale, fused, lower_bound, interpret, params):
     """``(L fp32, bk, Qg, Kd, Aqk, gl)`` of every chunk (``_pairs_kernel``). ``ins``: q, k, v, g,
     beta [, gate_scale, dt_bias when ``fused``]."""
@@ -211,26 +178,10 @@ def intra_wu(x, bk, v, beta, *, fused, interpret, params):
     )(x, bk, v, beta)
 
 
-def intra_stage(ins, *, scale, fused, lower_bound, interpret, params, inverse_params, pairs,
-                with_wu=True):
-    """``(X, bk, W, U, Qg, Kd, Aqk, gl)`` of every chunk, ``X = (I + L)^{-1}`` (the backward
-    reuses it); W and U None without ``with_wu`` (the fused inter kernel can form them itself).
-    ``ins``: q, k, v, g, beta [, gate_scale, dt_bias when ``fused``]; ``inverse_params``: launch
-    parameters of the inverse kernel (it wants fewer warps than the others); ``pairs``: the pair
-    kernel (``pair_matrices``)."""
-    v, beta = ins[2], ins[4]
-    L, bk, qg, kd, aqk, gl = pair_matrices(ins, scale=scale, fused=fused, lower_bound=lower_bound,
-                                           interpret=interpret, params=params, pairs=pairs)
-    x = chunk_inverses(L, qg.dtype, interpret=interpret, params=inverse_params)
-    w, u = (intra_wu(x, bk, v, beta, fused=fused, interpret=interpret, params=params)
-            if with_wu else (None, None))
-    return x, bk, w, u, qg, kd, aqk, gl
-
-
 def intra_from_inverse(x, ins, *, scale, interpret, params):
     """``(W, U, Qg, Kd, gl)`` of every chunk from its stored ``X`` (``_saved_parts_kernel``): the
-    intra stage without its pair products and inverse, equal to ``intra_stage``'s outputs bit for
-    bit. ``ins``: pre-activated q, k, v, g, beta."""
+    intra stage without its pair products and inverse, equal to the Triton intra stage's outputs
+    bit for bit. ``ins``: pre-activated q, k, v, g, beta."""
     q, k, v, g, beta = ins
     B, Tp, H, K = q.shape
     n = Tp // C

@@ -1,4 +1,4 @@
-"""The Mosaic GPU pair kernel (``mosaic_gpu_pairs.py``) in Mosaic GPU's CPU interpreter against
+"""The Mosaic GPU pair kernel (``mosaic_gpu/pairs.py``) in Mosaic GPU's CPU interpreter against
 the fp32 chunk algebra, in the forward, and lowered for an abstract H200.
 
 Tolerances: the kernel's products take bf16 operands and its Qg, Kd, bk, Aqk outputs are bf16, so
@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda.chunk_math import C, causal_masks, pair_scores
-from pallas_kernels.kda.mosaic_gpu_pairs import intra_pairs_mgpu
-from pallas_kernels.kda.pallas_intra import default_pairs
-from pallas_kernels.kda.pallas_kda import pallas_chunk_kda
-from pallas_kernels.kda.pallas_kda_bwd import pallas_chunk_kda_bwd
+from pallas_kernels.kda.gpu_backward import gpu_chunk_kda_bwd
+from pallas_kernels.kda.gpu_config import chunk_config
+from pallas_kernels.kda.gpu_pipeline import gpu_chunk_kda
+from pallas_kernels.kda.mosaic_gpu.pairs import intra_pairs_mgpu
 from pallas_kernels.kda.reference import chunked_kda
 from tests.pallas_kernels.h200_lowering import lowered_for_h200
-from tests.kda.kda_cases import as_f32, kda_case, rel
+from tests.pallas_kernels.kda.kda_cases import as_f32, kda_case, rel
 
 B, T, H, K = 1, 2 * C, 2, 128
 _BF16, _F32 = jnp.bfloat16, jnp.float32
@@ -105,11 +105,13 @@ def test_forward_default_takes_it_and_matches_the_reference() -> None:
     within bf16 rounding of the Triton pair kernel's forward."""
     x = as_f32(kda_case(np.random.default_rng(3), B, 65, H, K, 64))
     q, k, v, g = (x[n].astype(_BF16) for n in ("q", "k", "v", "g"))
-    assert default_pairs(q, k, v, g) == "mosaic_gpu" == default_pairs(q, k, v, x["g"])
-    assert default_pairs(x["q"], x["k"], x["v"], x["g"]) == "triton"
-    assert default_pairs(q[..., :32], k[..., :32], v, g[..., :32]) == "triton"
-    run = lambda pairs: pallas_chunk_kda(  # noqa: E731
-        q, k, v, g, x["beta"], initial_state=x["s0"], interpret=True, pairs=pairs)
+    pairs = lambda *a: chunk_config(*a).pairs  # noqa: E731
+    assert pairs(q, k, v, g) == "mosaic_gpu" == pairs(q, k, v, x["g"])
+    assert pairs(x["q"], x["k"], x["v"], x["g"]) == "triton"
+    assert pairs(q[..., :32], k[..., :32], v, g[..., :32]) == "triton"
+    run = lambda pairs: gpu_chunk_kda(  # noqa: E731
+        q, k, v, g, x["beta"], initial_state=x["s0"],
+        config=chunk_config(q, k, v, g, pairs=pairs))
     o, s = run(None)
     o_tri, s_tri = run("triton")
     ref_o, ref_s = chunked_kda(q.astype(_F32), k.astype(_F32), v.astype(_F32), g.astype(_F32),
@@ -124,14 +126,12 @@ def test_kept_intra_backward_equals_the_recomputing_one() -> None:
     x = as_f32(kda_case(np.random.default_rng(4), B, T, 1, K, 64))
     q, k, v, g = (x[n].astype(_BF16) for n in ("q", "k", "v", "g"))
     args = (q, k, v, g, x["beta"], x["s0"][:, :1])
-    *_, intra = pallas_chunk_kda(*args[:5], initial_state=args[5], interpret=True,
-                                 return_intra=True)
+    *_, intra = gpu_chunk_kda(*args[:5], initial_state=args[5], return_intra=True)
     rng = np.random.default_rng(5)
     do = jnp.asarray(rng.standard_normal(v.shape), _BF16)
     dht = jnp.asarray(rng.standard_normal(args[5].shape), _F32)
-    kw = dict(scale=K**-0.5, interpret=True)
-    got = pallas_chunk_kda_bwd(*args, do, dht, intra=intra, **kw)
-    want = pallas_chunk_kda_bwd(*args, do, dht, **kw)
+    got = gpu_chunk_kda_bwd(*args, do, dht, scale=K**-0.5, intra=intra)
+    want = gpu_chunk_kda_bwd(*args, do, dht, scale=K**-0.5)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -161,9 +161,9 @@ def test_rejects_inputs_it_cannot_take() -> None:
                          lower_bound=-5.0, interpret=True)
     small = tuple(a[..., :32] if a.ndim == 4 else a for a in ins)
     with pytest.raises(ValueError, match=r"^pairs='mosaic_gpu' needs bf16 q, k, v, a bf16 or "):
-        pallas_chunk_kda(*small, interpret=True, pairs="mosaic_gpu")
+        chunk_config(*small[:4], pairs="mosaic_gpu")
     with pytest.raises(ValueError, match=r"^pairs: expected one of \('triton', 'mosaic_gpu'\)"):
-        pallas_chunk_kda(*ins, interpret=True, pairs="cuda")
+        chunk_config(*ins[:4], pairs="cuda")
 
 
 def test_packed_sequences() -> None:
@@ -173,9 +173,9 @@ def test_packed_sequences() -> None:
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     x = as_f32(kda_case(np.random.default_rng(7), 1, int(cu[-1]), H, 64, 64, states=len(lens)))
     q, k, v = (x[n].astype(_BF16) for n in ("q", "k", "v"))
-    run = lambda pairs: pallas_chunk_kda(  # noqa: E731
-        q, k, v, x["g"], x["beta"], initial_state=x["s0"], cu_seqlens=cu, interpret=True,
-        pairs=pairs)
+    run = lambda pairs: gpu_chunk_kda(  # noqa: E731
+        q, k, v, x["g"], x["beta"], initial_state=x["s0"], cu_seqlens=cu,
+        config=chunk_config(q, k, v, x["g"], cu_seqlens=cu, pairs=pairs))
     (o, s), (o_tri, s_tri) = run(None), run("triton")
     ref_o, ref_s = chunked_kda(q.astype(_F32), k.astype(_F32), v.astype(_F32), x["g"], x["beta"],
                                scale=64**-0.5, initial_state=x["s0"], cu_seqlens=cu)

@@ -1,13 +1,12 @@
 """The KDA forward's fused inter stage in Mosaic GPU (Hopper: TMA copies, wgmma products).
 
-Same outputs as ``pallas_kda._inter_kernel`` forming W and U in its loop (``o`` in v's dtype and
-the final fp32 state), from the intra stage's X, bk, Qg, Kd, Aqk, gl and the inputs v, beta.
-Why a second backend: at B4 T8192 H96 the Triton kernel took ~2.7 of the forward's 6.9 ms
-(benchmarks/RESULTS.md, tenth and eleventh runs), about twice its memory traffic. It loads every
-chunk's tiles inside the serial loop (one pipeline stage, so that two programs fit an SM), and each
-64-column value block re-reads the chunk's bk, Qg, Kd, X and Aqk. Here TMA loads chunk c + 1 while
-chunk c is computed, and the value blocks of one (sequence, head) are the warpgroups of one CTA,
-which share those copies: the forward 5.34 ms where the Triton kernel gave 6.91 (eleventh run).
+Same outputs as ``triton.inter.inter_fused`` (``o`` in v's dtype and the final fp32 state), from
+the intra stage's X, bk, Qg, Kd, Aqk, gl and the inputs v, beta. Why a second backend: the Triton
+kernel moves about twice the stage's necessary memory traffic. It loads every chunk's tiles inside
+the serial loop (one pipeline stage, so that two programs fit an SM), and each 64-column value
+block re-reads the chunk's bk, Qg, Kd, X and Aqk. Here TMA loads chunk c + 1 while chunk c is
+computed, and the value blocks of one (sequence, head) are the warpgroups of one CTA, which share
+those copies (timings in benchmarks/RESULTS.md).
 
 Grid ``(V / (64 nw), H, B)``, ``nw`` warpgroups (64 value columns each, nw = 2 for V = 128) per
 CTA; warpgroup w keeps its state columns ``S`` ([K, 64] fp32) in registers across the chunk loop.
@@ -17,7 +16,7 @@ Per chunk (kda.md 2.1):
 2. ``P = bk S`` and ``O = Qg S`` (issued together); ``t = beta v - P``; ``v_new = X t``, which is
    ``U - W S`` for ``W = X bk``, ``U = X beta v``;
 3. ``O += Aqk v_new``, ``S = gl * S + Kd^T v_new`` (the product accumulated onto the decayed
-   state: a second [K, 64] array made the loop spill, 622 vs 450 us); o is staged in t's buffer
+   state: a second [K, 64] array made the loop spill); o is staged in t's buffer
    and stored by TMA.
 
 Every product takes bf16 operands and accumulates in fp32, as the Triton kernel's. Warpgroup 0
@@ -37,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.chunk_math import C
-from pallas_kernels.kda.mosaic_gpu_tiles import (
+from pallas_kernels.kda.mosaic_gpu.tiles import (
     F32_TILES, HALF, ROWS, WG, bf16_tiles, rows, sigmoid,
 )
 

@@ -18,16 +18,11 @@ fp32 (no tensor cores / TF32, and no 16-row minimum of ``tl.dot``). The step is 
 Same conventions as ``reference.recurrent_kda_step``: q, k [B, H, K] (L2-normalised), v [B, H, V],
 g [B, H, K] log-decay, beta [B, H], state fp32 [B, H, K, V], scale default ``K**-0.5``.
 
-Backend: the Pallas-Triton lowering on GPU (K and BV powers of two >= 16), ``interpret=True``
-(the default off GPU) elsewhere, as in ``pallas_kda.py``.
-
-Measured on one H200 (benchmarks/RESULTS.md): H=96, K=V=128, fp32 state, bf16 q/k/v, N = 64 /
-256 sequences: 0.242 / 0.877 ms per step (block_v 64, 4 warps; 3.33 / 3.67 TB/s of state
-traffic), vs fla ``fused_recurrent_kda`` in the same job 0.211 / 0.900 ms; the XLA reference
-0.34 / 1.26 ms. With the batch as the fastest grid axis N = 256 took 0.922 ms. The state is
-updated in place only when the caller's buffer can be donated: ``donate_state=True`` here, or a
-donated state inside the caller's own ``jit``; otherwise XLA copies it first (the result is the
-same).
+Backend: the Pallas-Triton lowering on GPU (K and BV powers of two >= 16), interpret mode on CPU.
+Columns of 64 per program and the V block as the fastest grid axis were the fastest measured
+(benchmarks/RESULTS.md). The state is updated in place only when the caller's buffer can be
+donated: ``donate_state=True`` here, or a donated state inside the caller's own ``jit``;
+otherwise XLA copies it first (the result is the same).
 """
 
 from __future__ import annotations
@@ -38,10 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-try:  # Triton compiler params (GPU only); interpret mode ignores them.
-    from jax.experimental.pallas import triton as pl_triton
-except ImportError:  # pragma: no cover
-    pl_triton = None
+from pallas_kernels.kda.triton.intra_blocks import compiler_params, triton_takes
+from pallas_kernels.platform import current_platform
 
 _F32 = jnp.float32
 
@@ -61,17 +54,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, so_ref, *, s
     so_ref[b, h, :, vs] = S  # same buffer as s_ref; only this program touches this block
 
 
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and (n & (n - 1)) == 0
-
-
 def _decode(q, k, v, g, beta, state, *, scale, interpret, block_v, num_warps):
     B, H, K = q.shape
     V = v.shape[-1]
     bv = block_v
-    params = {}
-    if not interpret and pl_triton is not None:
-        params = dict(compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=1))
     o, s = pl.pallas_call(
         functools.partial(_decode_kernel, scale=scale, bv=bv),
         grid=(V // bv, H, B),
@@ -82,7 +68,7 @@ def _decode(q, k, v, g, beta, state, *, scale, interpret, block_v, num_warps):
         input_output_aliases={5: 1},
         interpret=interpret,
         name="kda_decode_step",
-        **params,
+        **compiler_params(interpret, num_warps, 1),
     )(q, k, v, g, beta.reshape(B, H, 1), state)
     return o, s
 
@@ -93,13 +79,12 @@ _decode_jit_donate = jax.jit(_decode, static_argnames=_STATIC, donate_argnums=(5
 
 
 def default_block_v(V: int) -> int:
-    """64 columns per program (fastest of 16/32/64/128 at N = 1/64/256 on the H200), or all of V
-    if 64 doesn't divide it."""
+    """64 columns per program (the fastest measured), or all of V if 64 doesn't divide it."""
     bv = min(V, 64)
     return bv if V % bv == 0 else V
 
 
-def pallas_kda_decode(
+def triton_kda_decode(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
@@ -108,7 +93,6 @@ def pallas_kda_decode(
     state: jax.Array,
     *,
     scale: float | None = None,
-    interpret: bool | None = None,
     block_v: int | None = None,
     num_warps: int = 4,
     donate_state: bool = False,
@@ -116,35 +100,22 @@ def pallas_kda_decode(
     """One KDA decode step. Returns ``(o [B, H, V] in v.dtype, new_state fp32 [B, H, K, V])``.
 
     ``donate_state=True`` donates ``state`` (it must not be used afterwards) so the update is
-    truly in place. ``interpret`` defaults to True off GPU. ``block_v`` (default ``default_block_v(V)``, 64)
+    truly in place. Runs in interpret mode off GPU. ``block_v`` (default ``default_block_v(V)``)
     must divide V; on GPU K and block_v must be powers of two >= 16.
     """
     B, H, K = q.shape
     V = v.shape[-1]
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = current_platform() != "gpu"
     bv = default_block_v(V) if block_v is None else int(block_v)
     if bv < 1 or V % bv:
         raise ValueError(f"block_v: expected a divisor of V={V}, got {bv}")
-    if not interpret:
-        bad = [f"{n}={d}" for n, d in (("K", K), ("block_v", bv)) if d < 16 or not _is_pow2(d)]
-        if bad:
-            raise ValueError(
-                f"pallas KDA decode on GPU needs K and block_v powers of two >= 16 (Triton), "
-                f"got {bad}"
-            )
+    if not interpret and not triton_takes(K, bv):
+        raise ValueError(f"KDA decode on GPU needs K and block_v powers of two >= 16 (Triton), "
+                         f"got K={K}, block_v={bv}")
     if state.dtype != _F32:
         raise ValueError(f"state: expected float32, got {state.dtype}")
     fn = _decode_jit_donate if donate_state else _decode_jit
     return fn(
         q, k, v, g, beta, state, scale=K**-0.5 if scale is None else float(scale),
-        interpret=bool(interpret), block_v=bv, num_warps=int(num_warps),
+        interpret=interpret, block_v=bv, num_warps=int(num_warps),
     )
-
-
-def gpu_supported(K: int, V: int) -> bool:
-    """Whether the Triton lowering takes these head sizes (K and V powers of two >= 16)."""
-    return K >= 16 and V >= 16 and _is_pow2(K) and _is_pow2(V)
-
-
-__all__ = ["default_block_v", "gpu_supported", "pallas_kda_decode"]

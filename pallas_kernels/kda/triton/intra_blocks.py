@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import ptx_math
-from pallas_kernels.kda.chunk_math import BC, C, NC
+from pallas_kernels.kda.chunk_math import BC, NC
 from pallas_kernels.kda.chunk_math import dot as _dot
+from pallas_kernels.kda.reference import L2_NORM_EPS
 
 try:  # Triton compiler params (GPU only); interpret mode ignores them.
     from jax.experimental.pallas import triton as pl_triton
@@ -31,6 +32,12 @@ def compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
     if interpret or pl_triton is None:
         return {}
     return dict(compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+
+
+def triton_takes(*dims: int) -> bool:
+    """Whether the Triton lowering takes these block widths: powers of two >= 16 (``tl.dot`` and
+    ``tl.arange`` shapes). Interpret mode takes any."""
+    return all(d >= 16 and d & (d - 1) == 0 for d in dims)
 
 
 def matmul_dtypes(v: jax.Array) -> tuple[jnp.dtype, jnp.dtype]:
@@ -75,17 +82,6 @@ def unit_lower_inverse(load, put, mm_dtype=_F32) -> None:
             put(i, j, col[i])
 
 
-def pair_output_types(q: jax.Array, store_dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """The pair kernels' outputs for q [B, Tp, H, K]: ``(L fp32 [B, Tp, H, C] strictly lower,
-    bk = beta k e^G, Qg, Kd [B, Tp, H, K], Aqk [B, Tp, H, C] causal, all in ``store_dtype``, and
-    gl = e^{G_last} fp32 [B, N, H, K])``."""
-    B, Tp, H, K = q.shape
-    sds = jax.ShapeDtypeStruct
-    return (sds((B, Tp, H, C), _F32), sds((B, Tp, H, K), store_dtype),
-            sds((B, Tp, H, K), store_dtype), sds((B, Tp, H, K), store_dtype),
-            sds((B, Tp, H, C), store_dtype), sds((B, Tp // C, H, K), _F32))
-
-
 def approx_math(interpret: bool, mm_dtype) -> bool:
     """Whether a kernel takes ``ptx_math``'s single-instruction exp2 / reciprocal: on the GPU
     (interpret mode cannot lower them) for bf16 products, whose operands round far coarser."""
@@ -105,7 +101,7 @@ def gate_exp(approx: bool):
 
 def activations(fused: bool, lower_bound: float, gs_ref, db_ref, h, approx: bool = False):
     """(gate, l2, beta) input activations of one head in fp32: K3's fused ones
-    (``g = lb * sigmoid(exp(A_log) (g_raw + dt_bias))``, ``x rsqrt(sum x^2 + 1e-6)``, sigmoid),
+    (``g = lb * sigmoid(exp(A_log) (g_raw + dt_bias))``, ``x rsqrt(sum x^2 + eps)``, sigmoid),
     or identities on pre-activated inputs. The gate comes in ``gate_exp(approx)``'s unit; with
     ``approx`` its sigmoid is ``ptx_math.sigmoid``."""
     unit = gate_exp(approx)[0]
@@ -121,7 +117,7 @@ def activations(fused: bool, lower_bound: float, gs_ref, db_ref, h, approx: bool
 
     def l2(x):
         x = x.astype(_F32)
-        return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6)
+        return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_NORM_EPS)
 
     return gate, l2, beta_activation(fused)
 

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ptx_math
-from pallas_kernels.kda import chunk_math, intra_blocks
+from pallas_kernels.kda import chunk_math
+from pallas_kernels.kda.triton import intra_blocks
 from pallas_kernels.kda.chunk_math import C, causal_masks, key_grads_from_sums, row_block
-from tests.kda.kda_cases import rel
+from tests.pallas_kernels.kda.kda_cases import rel
 
 
 @pytest.fixture

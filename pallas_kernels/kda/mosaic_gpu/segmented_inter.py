@@ -1,27 +1,26 @@
 """The KDA forward's inter stage split along time, for few (sequence, head) pairs.
 
-The inter stage is a serial loop over chunks, one CTA per (sequence, head, value block). At B1
-T32768 H16 that is 32 CTAs on 132 SMs, each walking 512 chunks: the loop's latency is the
-forward's critical path (1.61 of its 2.30 ms on the H200). The state recurrence is affine in the
-state, ``S_end = A S_start + B`` over any chunk range, so the sequence can be cut into ``n``
-segments that run side by side:
+The inter stage is a serial loop over chunks, one CTA per (sequence, head, value block). With few
+sequence-heads (K3's B1 T32768 H16: 32 CTAs on 132 SMs, each walking 512 chunks) the loop's
+latency is the forward's critical path. The state recurrence is affine in the state,
+``S_end = A S_start + B`` over any chunk range, so the sequence can be cut into ``n`` segments
+that run side by side:
 
-1. every segment's recurrence alone (``mosaic_gpu_inter.states_mgpu``) from ``[s | I]``: the
-   state's columns from a start ``s`` (the initial state for the first segment, zero for the
-   others) and K more from the identity, which the chunks carry through without v. It gives
-   ``[A_j s + B_j | A_j]``: the segment's state from zero and its [K, K] transition matrix;
+1. every segment's recurrence alone (``inter.states_mgpu``) from ``[s | I]``: the state's columns
+   from a start ``s`` (the initial state for the first segment, zero for the others) and K more
+   from the identity, which the chunks carry through without v. It gives ``[A_j s + B_j | A_j]``:
+   the segment's state from zero and its [K, K] transition matrix;
 2. the segments' start states in order, ``S_{j+1} = A_j S_j + B_j`` (n - 2 small IEEE fp32 XLA
    products: the first segment's pass already started from the initial state; one Pallas-Triton
-   kernel for the chain was 20x slower);
-3. every segment again from its own start state, now forming o
-   (``mosaic_gpu_inter.inter_mgpu``); the last segment's final state is the sequence's.
+   kernel for the chain was much slower);
+3. every segment again from its own start state, now forming o (``inter.inter_mgpu``); the last
+   segment's final state is the sequence's.
 
-Three passes do about 2.5 times the serial stage's work, in ``n`` times the parallelism: at B1
-T32768 H16, 8 segments, 0.28 + 0.11 + 0.23 ms for the 1.61 (the forward 1.26 ms against fla's
-2.24; benchmarks/RESULTS.md, twelfth run). Each segment is a batch row of the same arrays
-([B, n T', ...] read as [B n, T', ...], no copy), so the passes are the Mosaic GPU inter kernels
-unchanged. The caller pads T to whole segments with
-identity steps (k = v = beta = 0, no decay).
+Three passes do about 2.5 times the serial stage's work, in ``n`` times the parallelism (timings
+in benchmarks/RESULTS.md; the number of segments: ``gpu_config.segments_for``). Each segment is a
+batch row of the same arrays ([B, n T', ...] read as [B n, T', ...], no copy), so the passes are
+the Mosaic GPU inter kernels unchanged. The caller pads T to whole segments with identity steps
+(k = v = beta = 0, no decay).
 """
 
 from __future__ import annotations
@@ -31,26 +30,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.kda.chunk_math import C
-from pallas_kernels.kda.mosaic_gpu_inter import inter_mgpu, states_mgpu
+from pallas_kernels.kda.mosaic_gpu.inter import inter_mgpu, states_mgpu
 
 _F32 = jnp.float32
-# Segments per sequence: as many as keep (sequence-heads x segments) within one wave of the
-# H200's 132 SMs at two CTAs per head, each segment at least MIN_SEGMENT_CHUNKS chunks long (the
-# passes' fixed costs then stay small against the loop), and at most MAX_SEGMENTS (the start
-# states are chained one product at a time).
-SEGMENT_HEADS = 128
-MIN_SEGMENT_CHUNKS = 16
-MAX_SEGMENTS = 16
-
-
-def segments_for(sequence_heads: int, n_chunks: int) -> int:
-    """The number of segments (a power of two; 1: do not segment) for a forward with
-    ``sequence_heads`` (sequence, head) pairs of ``n_chunks`` chunks each."""
-    n = 1
-    while (2 * n <= MAX_SEGMENTS and sequence_heads * 2 * n <= SEGMENT_HEADS
-           and n_chunks >= 2 * n * MIN_SEGMENT_CHUNKS):
-        n *= 2
-    return n
 
 
 def _as_segments(x: jax.Array, n: int) -> jax.Array:
