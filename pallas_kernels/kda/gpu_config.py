@@ -174,7 +174,8 @@ class GpuChunkConfig:
                f"{'given' if p.varlen else 'None'}")
         if self.inter not in INTER_STAGES:
             raise ValueError(f"inter: expected one of {INTER_STAGES}, got {self.inter!r}")
-        _check_block_v(self.block_v)
+        if self.block_v != p.V:  # all of V is a block (on GPU V itself is a power of two)
+            _check_block_v(self.block_v)
         if p.V % self.block_v:
             raise ValueError(f"block_v: expected a divisor of V={p.V}, got {self.block_v}")
         for name in ("pairs", "inter_kernel"):
