@@ -111,7 +111,8 @@ def _tpu(q, k, v, g, beta, s0, scale: float, offsets: Offsets):
 
 
 def _tpu_fwd(q, k, v, g, beta, s0, scale, offsets):
-    return _tpu(q, k, v, g, beta, s0, scale, offsets), (q, k, v, g, beta, s0)
+    out = tpu_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=s0, cu_seqlens=offsets)
+    return out, (q, k, v, g, beta, s0)
 
 
 def _tpu_bwd(scale, offsets, inputs, cotangents):
