@@ -1,4 +1,4 @@
-"""H200: the analytic Pallas KDA backward vs fla-core ``chunk_kda``; numerics vs the reference VJP.
+"""H200: the analytic GPU KDA backward vs fla-core ``chunk_kda``; numerics vs the reference VJP.
 
 Run on the GPU machine, torch half first (it writes the shared numerics case to /tmp):
 
@@ -15,8 +15,8 @@ the timings are skipped once KDA_BWD_FLA_BUDGET_S, default 200, have passed.)
 
 Both halves use the pre-activated call (the layer computes l2norm, gate and beta outside): unit
 q/k, ``g = -5 * sigmoid(x)`` log-decay, ``beta = sigmoid(x)``, all bf16, fp32 state, the
-safe gate (fla: ``safe_gate=True, lower_bound=-5``; ours: ``chunk_kda(implementation="pallas",
-lower_bound=-5)``). fwd+bwd = forward with the final state, then the VJP with cotangents for
+safe gate (fla: ``safe_gate=True, lower_bound=-5``; ours: ``chunk_kda(implementation=
+"pallas_gpu", lower_bound=-5)``). fwd+bwd = forward with the final state, then the VJP with cotangents for
 o and the final state. Numerics come before timing; every case is in try/except and the JSON in
 $OUT is rewritten after each, so a timeout still leaves results.
 """
@@ -162,10 +162,12 @@ def run_jax():
 
     from benchmarks.timing import median_ms
     from pallas_kernels.kda import chunk_kda
-    from pallas_kernels.kda import pallas_kda_bwd as pb
-    from pallas_kernels.kda.chunk_backward import chunk_kda_bwd
-    from pallas_kernels.kda.pallas_kda import pallas_chunk_kda
+    from pallas_kernels.kda import gpu_backward as pb
+    from pallas_kernels.kda.gpu_backward import gpu_chunk_kda_bwd
+    from pallas_kernels.kda.gpu_pipeline import gpu_chunk_kda
     from pallas_kernels.kda.reference import chunked_kda
+    from pallas_kernels.kda.triton import backward as tb
+    from tests.pallas_kernels.kda.chunk_backward import chunk_kda_bwd
 
     res = {"env": {"jax": jax.__version__, "device": str(jax.devices()[0])}}
     out = "jax_kda_bwd.json"
@@ -197,7 +199,7 @@ def run_jax():
                 q, k, v, g, b, h0)[1]((do, dht)))(*args32)
             num = {}
             t = time.time()
-            got32 = pb.pallas_chunk_kda_bwd(*args32, scale=scale)
+            got32 = gpu_chunk_kda_bwd(*args32, scale=scale)
             jax.block_until_ready(got32)
             num["first_call_fp32_bwd_s"] = round(time.time() - t, 1)
             num["ours_fp32_vs_ref"] = {n: rel(a, b) for n, a, b in zip(NAMES, got32, ref)}
@@ -206,13 +208,13 @@ def run_jax():
             bf = tuple(a if n in ("h0", "dht") else a.astype(jnp.bfloat16)
                        for n, a in zip(NAMES + ("do", "dht"), args32))
             t = time.time()
-            _, _, got16 = api_vjp("pallas")(*bf)
+            _, _, got16 = api_vjp("pallas_gpu")(*bf)
             jax.block_until_ready(got16)
             num["first_call_bf16_fwd_bwd_s"] = round(time.time() - t, 1)
             num["ours_bf16_vs_ref"] = {n: rel(a, b) for n, a, b in zip(NAMES, got16, ref)}
             num["ours_bf16_nan"] = bool(any(jnp.isnan(a.astype(jnp.float32)).any() for a in got16))
             # chunk_kda's gradient (the forward's X and Aqk kept) against the recomputing backward
-            rec16 = pb.pallas_chunk_kda_bwd(*bf, scale=scale)
+            rec16 = gpu_chunk_kda_bwd(*bf, scale=scale)
             num["kept_intra_vs_recompute_bf16"] = {n: rel(a, b) for n, a, b in zip(NAMES, got16, rec16)}
             if "fla_dq" in x:
                 num["fla_bf16_vs_ref"] = {n: rel(x[f"fla_d{n}"], b) for n, b in zip(NAMES, ref)}
@@ -251,21 +253,21 @@ def run_jax():
             rn(6, B, H, D, D),
         )
 
-    # ---- timing: ours fwd+bwd (the chunk_kda "pallas" path), fwd alone, bwd alone ------------
+    # ---- timing: ours fwd+bwd (the chunk_kda "pallas_gpu" path), fwd alone, bwd alone --------
     def essentials(B, T, H):
         args = inputs(B, T, H)
         r = res[f"B{B}_T{T}_H{H}"] = {}
-        attempt(r, "ours_fwd_bwd_ms", lambda: bench(api_vjp("pallas"), args))
+        attempt(r, "ours_fwd_bwd_ms", lambda: bench(api_vjp("pallas_gpu"), args))
         save(res, out)
         attempt(r, "ours_fwd_ms", lambda: bench(jax.jit(
-            lambda *a: pallas_chunk_kda(*a[:5], scale=scale, initial_state=a[5])), args[:6]))
+            lambda *a: gpu_chunk_kda(*a[:5], scale=scale, initial_state=a[5])), args[:6]))
         attempt(r, "ours_bwd_ms", lambda: bench(
-            jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a, scale=scale)), args))
+            jax.jit(lambda *a: gpu_chunk_kda_bwd(*a, scale=scale)), args))
         # the backward as chunk_kda's gradient runs it: with the forward's X and Aqk
-        intra = jax.jit(lambda *a: pallas_chunk_kda(
+        intra = jax.jit(lambda *a: gpu_chunk_kda(
             *a[:5], scale=scale, initial_state=a[5], return_intra=True)[2])(*args[:6])
         attempt(r, "ours_bwd_kept_intra_ms", lambda: bench(
-            jax.jit(lambda *a: pb.pallas_chunk_kda_bwd(*a[:8], scale=scale, intra=a[8])),
+            jax.jit(lambda *a: gpu_chunk_kda_bwd(*a[:8], scale=scale, intra=a[8])),
             args + (intra,)))
         del intra
         save(res, out)
@@ -283,8 +285,8 @@ def run_jax():
         q, k, v, g, beta, h0, do, dht = inputs(*shape)
         r = res["B{}_T{}_H{}".format(*shape)]
         A, W, U, aqk, qg, kd, gl = pb.stage_parts(q, k, v, g, beta, scale=scale, **tun(4, 1))
-        hs, vn = pb.stage_states(W, U, kd, gl, h0, block_v=32, **tun(4, 1))
-        dhs, dvn, _ = pb.stage_dstates(qg, W, aqk, kd, gl, do, dht, block_v=32, **tun(4, 1))
+        hs, vn = tb.stage_states(W, U, kd, gl, h0, block_v=32, **tun(4, 1))
+        dhs, dvn, _ = tb.stage_dstates(qg, W, aqk, kd, gl, do, dht, block_v=32, **tun(4, 1))
         for nw, ns in parts_cfgs:
             attempt(r, f"stage_parts_w{nw}_s{ns}_ms", lambda nw=nw, ns=ns: bench(
                 lambda *a: pb.stage_parts(*a, scale=scale, **tun(nw, ns)), (q, k, v, g, beta)))
@@ -293,16 +295,16 @@ def run_jax():
                 (A, aqk, q, k, v, g, beta)))
         for bv, nw, ns in state_cfgs:
             attempt(r, f"stage_states_bv{bv}_w{nw}_s{ns}_ms", lambda bv=bv, nw=nw, ns=ns: bench(
-                lambda *a: pb.stage_states(*a, block_v=bv, **tun(nw, ns)), (W, U, kd, gl, h0)))
+                lambda *a: tb.stage_states(*a, block_v=bv, **tun(nw, ns)), (W, U, kd, gl, h0)))
             attempt(r, f"stage_dstates_bv{bv}_w{nw}_s{ns}_ms", lambda bv=bv, nw=nw, ns=ns: bench(
-                lambda *a: pb.stage_dstates(*a, block_v=bv, **tun(nw, ns)),
+                lambda *a: tb.stage_dstates(*a, block_v=bv, **tun(nw, ns)),
                 (qg, W, aqk, kd, gl, do, dht)))
             save(res, out)
 
         for gbk, nw, ns in grads_cfgs:
             tag = f"stage_grads_bk{gbk}_w{nw}_s{ns}_ms"
             attempt(r, tag, lambda gbk=gbk, nw=nw, ns=ns: bench(
-                lambda *a: pb.stage_grads(*a, scale=scale, block_k=gbk, **tun(nw, ns)),
+                lambda *a: tb.stage_grads(*a, scale=scale, block_k=gbk, **tun(nw, ns)),
                 (q, k, v, g, beta, A, hs, dhs, do, dvn, vn)))
             save(res, out)
 

@@ -1,4 +1,4 @@
-"""H200: Pallas KDA decode step (``pallas_kernels/kda/pallas_decode.py``) vs the XLA reference.
+"""H200: the Triton KDA decode step (``pallas_kernels/kda/triton/decode.py``) vs the XLA reference.
 
 One token per sequence, N sequences, H=96 heads, K=V=128, fp32 state [N, H, K, V], bf16 q/k/v.
 The step is memory bound, so the figure of merit is the state read+write bandwidth
@@ -51,7 +51,7 @@ def run_jax():
     from jax import lax
 
     from pallas_kernels.kda import kda_decode
-    from pallas_kernels.kda.pallas_decode import pallas_kda_decode
+    from pallas_kernels.kda.triton.decode import triton_kda_decode
     from pallas_kernels.kda.reference import recurrent_kda_step
 
     res = {"env": {"jax": jax.__version__, "device": str(jax.devices()[0])}, "check": {}, "time": {}}
@@ -68,17 +68,17 @@ def run_jax():
         ro, rs = recurrent_kda_step(*a)
         for bv, nw in CONFIGS:
             try:
-                o, s = pallas_kda_decode(*a, block_v=bv, num_warps=nw)
+                o, s = triton_kda_decode(*a, block_v=bv, num_warps=nw)
                 res["check"][f"{dt}_bv{bv}_w{nw}"] = {"o": rel(o, ro), "state": rel(s, rs)}
             except Exception as e:  # noqa: BLE001
                 res["check"][f"{dt}_bv{bv}_w{nw}"] = {"error": repr(e)[:600]}
                 print(res["check"][f"{dt}_bv{bv}_w{nw}"], flush=True)
-        o, s = kda_decode(*a)  # "auto" -> pallas on GPU
+        o, s = kda_decode(*a)  # the policy: "pallas_gpu" on GPU
         res["check"][f"{dt}_api_auto"] = {"o": rel(o, ro), "state": rel(s, rs)}
         # 20 aliased steps vs 20 reference steps
         s_p, s_r = jnp.array(a[5]), a[5]
         for t in range(20):
-            o, s_p = pallas_kda_decode(*a[:5], s_p, donate_state=True)
+            o, s_p = triton_kda_decode(*a[:5], s_p, donate_state=True)
             ro, s_r = recurrent_kda_step(*a[:5], s_r)
         res["check"][f"{dt}_20steps"] = {"o": rel(o, ro), "state": rel(s_p, s_r)}
     print(json.dumps(res["check"], indent=1), flush=True)
@@ -110,7 +110,7 @@ def run_jax():
         g, beta = jnp.asarray(x["g"]), jnp.asarray(x["beta"])
         s = jnp.asarray(x["s"])
         row = {}
-        impls = {f"pallas_bv{bv}_w{nw}": (lambda st, bv=bv, nw=nw: pallas_kda_decode(
+        impls = {f"pallas_bv{bv}_w{nw}": (lambda st, bv=bv, nw=nw: triton_kda_decode(
             q, k, v, g, beta, st, block_v=bv, num_warps=nw)) for bv, nw in CONFIGS}
         impls["xla_reference"] = lambda st: recurrent_kda_step(q, k, v, g, beta, st)
         for name, step in impls.items():
@@ -121,7 +121,7 @@ def run_jax():
                 row[name] = {"error": repr(e)[:300]}
             print(N, name, row[name], flush=True)
         # per-call (dispatch included), default config, donated state
-        call = jax.jit(lambda st: pallas_kda_decode(q, k, v, g, beta, st), donate_argnums=(0,))
+        call = jax.jit(lambda st: triton_kda_decode(q, k, v, g, beta, st), donate_argnums=(0,))
         o, s = call(s)
         jax.block_until_ready(s)
         ts = []

@@ -39,28 +39,25 @@ CHECK = (1, 2048, 8)  # numerics case shared by both halves
 LB = -5.0
 D = 128
 CMP = "/tmp/kda_cmp.npz"
-# (block_v, num_warps, num_stages, inverse kernel's warps, inter stage `pallas_kda.INTER_STAGES`);
-# warps are the Triton inter kernels' (the pair and W/U kernels keep `INTRA_WARPS`), stages apply
-# to every Triton kernel. `default_inter`'s Triton choices for many / few sequence-heads first,
-# then their nearest neighbours, then the segmented stage. Every shape also times the call with
-# all defaults ("ours_default_ms").
-# KDA_CONFIGS="bv,warps,stages,inv[,inter];..." replaces the list for one run.
-CONFIGS = [(64, 4, 2, 1, "fused"), (16, 4, 2, 1, "two_pass"), (128, 8, 2, 1, "fused"),
-           (64, 8, 2, 1, "fused"), (16, 4, 1, 1, "two_pass"), (32, 4, 2, 1, "two_pass"),
-           (64, 4, 1, 1, "segments")]
+# (block_v, num_warps, num_stages, inter stage `gpu_config.INTER_STAGES`) of
+# `gpu_config.GpuChunkConfig`; warps are the Triton inter kernels' (the pair and W/U kernels keep
+# `gpu_config.INTRA_WARPS`), stages apply to every Triton kernel. `default_inter`'s Triton choices
+# for many / few sequence-heads first, then their nearest neighbours, then the segmented stage.
+# Every shape also times the call with all defaults ("ours_default_ms").
+# KDA_CONFIGS="bv,warps,stages[,inter];..." replaces the list for one run.
+CONFIGS = [(64, 4, 2, "fused"), (16, 4, 2, "two_pass"), (128, 8, 2, "fused"),
+           (64, 8, 2, "fused"), (16, 4, 1, "two_pass"), (32, 4, 2, "two_pass"),
+           (64, 4, 1, "segments")]
 if os.environ.get("KDA_CONFIGS"):
-    CONFIGS = [(*map(int, f[:4]), f[4] if len(f) > 4 else "fused")
+    CONFIGS = [(*map(int, f[:3]), f[3] if len(f) > 3 else "fused")
                for f in (item.split(",") for item in os.environ["KDA_CONFIGS"].split(";"))]
 # the segmented inter stage's numerics: a gentle gate (dt_bias -6: g about -0.01 per step), so
 # the state crosses many chunks and a wrong segment start state shows
 SEGMENTS_CHECK = (1, 16384, 16)
-# the intra stage's pair kernels timed in each config (`pallas_kda.PAIR_KERNELS`);
+# the intra stage's pair kernels timed in each config (`gpu_config.STAGE_KERNELS`);
 # KDA_PAIRS="triton" for one
 PAIRS = os.environ.get("KDA_PAIRS", "triton,mosaic_gpu").split(",")
-# where the fused inter stage gets W and U, timed in each config (`pallas_kda.WU_PLACES`);
-# KDA_WU="loop" for one
-WU_PLACES = os.environ.get("KDA_WU", "kernel,loop").split(",")
-# the fused inter stage's kernel (with W/U in the loop; "mosaic_gpu" is skipped for the others);
+# the fused inter stage's kernel ("mosaic_gpu" is skipped for the two-pass stage);
 # KDA_INTER_KERNELS="mosaic_gpu" for one
 INTER_KERNELS = os.environ.get("KDA_INTER_KERNELS", "triton,mosaic_gpu").split(",")
 # fla's autotune results: a folder or .tar.gz (torch_peer.keep_autotuning), by default the
@@ -147,9 +144,8 @@ def run_jax():
     import jax.numpy as jnp
 
     from benchmarks.timing import median_ms
-    from pallas_kernels.kda.pallas_kda import (
-        INTRA_WARPS, pallas_chunk_kda, pallas_chunk_kda_fused_gate,
-    )
+    from pallas_kernels.kda.gpu_config import chunk_config, segments_for
+    from pallas_kernels.kda.gpu_pipeline import gpu_chunk_kda, gpu_chunk_kda_fused
     from pallas_kernels.kda.reference import chunked_kda
 
     res = {"env": {"jax": jax.__version__, "device": str(jax.devices()[0])}}
@@ -172,8 +168,6 @@ def run_jax():
     def segments_numerics():
         """The segmented inter stage (the default at these few sequence-heads) against the
         fused Mosaic GPU one and the fp32 reference, and the segment count it took."""
-        from pallas_kernels.kda.segmented_inter import segments_for
-
         B, T, H = SEGMENTS_CHECK
         q, k, v, g, beta, A_log, _ = timing_inputs(B, T, H)
         dt_bias = jnp.full((H * D,), -6.0, jnp.float32)
@@ -181,8 +175,9 @@ def run_jax():
         qa, ka, ga, ba = activate(q, k, g, beta, A_log, dt_bias)
         ref_o, ref_h = chunked_kda(qa, ka, v.astype(jnp.float32), ga, ba, scale=D**-0.5,
                                    initial_state=h0)
-        run = lambda inter: pallas_chunk_kda_fused_gate(  # noqa: E731
-            q, k, v, g, beta, A_log, dt_bias, lower_bound=LB, initial_state=h0, inter=inter)
+        run = lambda inter: gpu_chunk_kda_fused(  # noqa: E731
+            q, k, v, g, beta, A_log, dt_bias, lower_bound=LB, initial_state=h0,
+            config=chunk_config(q, k, v, g, inter=inter))
         (os_, hs), (of, hf) = run("segments"), run("fused")
         return {"shape": [B, T, H], "segments": segments_for(B * H, -(-T // 64)),
                 "segments_vs_ref_o": rel(os_, ref_o), "segments_vs_ref_ht": rel(hs, ref_h),
@@ -198,31 +193,27 @@ def run_jax():
         ref_o, ref_h = chunked_kda(qa, ka, bf["v"].astype(jnp.float32), ga, ba, scale=D**-0.5,
                                    initial_state=j["h0"])
         t = time.time()
-        o, h = pallas_chunk_kda_fused_gate(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"],
-                                           j["A_log"], j["dt_bias"], lower_bound=LB,
-                                           initial_state=j["h0"])
+        raw = (bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"], j["A_log"], j["dt_bias"])
+        o, h = gpu_chunk_kda_fused(*raw, lower_bound=LB, initial_state=j["h0"])
         o.block_until_ready()
         num = {"first_call_s": round(time.time() - t, 1),
                "ours_bf16_vs_ref_o": rel(o, ref_o), "ours_bf16_vs_ref_ht": rel(h, ref_h)}
-        for pairs, wu in itertools.product(PAIRS, WU_PLACES):
-            op, hp = pallas_chunk_kda_fused_gate(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"],
-                                                 j["A_log"], j["dt_bias"], lower_bound=LB,
-                                                 initial_state=j["h0"], pairs=pairs, wu=wu)
-            num[f"ours_bf16_{pairs}_pairs_wu_{wu}_vs_ref_o"] = rel(op, ref_o)
-            num[f"ours_bf16_{pairs}_pairs_wu_{wu}_vs_ref_ht"] = rel(hp, ref_h)
+        for pairs in PAIRS:
+            op, hp = gpu_chunk_kda_fused(*raw, lower_bound=LB, initial_state=j["h0"],
+                                         config=chunk_config(*raw[:4], pairs=pairs))
+            num[f"ours_bf16_{pairs}_pairs_vs_ref_o"] = rel(op, ref_o)
+            num[f"ours_bf16_{pairs}_pairs_vs_ref_ht"] = rel(hp, ref_h)
         if "mosaic_gpu" in INTER_KERNELS:
             (om, hm), (ot, ht_) = (
-                pallas_chunk_kda_fused_gate(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"],
-                                            j["A_log"], j["dt_bias"], lower_bound=LB,
-                                            initial_state=j["h0"], inter="fused", wu="loop",
-                                            inter_kernel=ik)
+                gpu_chunk_kda_fused(*raw, lower_bound=LB, initial_state=j["h0"],
+                                    config=chunk_config(*raw[:4], inter="fused", inter_kernel=ik))
                 for ik in ("mosaic_gpu", "triton"))
             num["ours_bf16_mosaic_gpu_inter_vs_ref_o"] = rel(om, ref_o)
             num["ours_bf16_mosaic_gpu_inter_vs_ref_ht"] = rel(hm, ref_h)
             num["mosaic_gpu_inter_vs_triton_inter_o"] = rel(om, ot)
             num["mosaic_gpu_inter_vs_triton_inter_ht"] = rel(hm, ht_)
-        o32, h32 = pallas_chunk_kda(qa, ka, bf["v"].astype(jnp.float32), ga, ba,
-                                    initial_state=j["h0"])
+        o32, h32 = gpu_chunk_kda(qa, ka, bf["v"].astype(jnp.float32), ga, ba,
+                                 initial_state=j["h0"])
         num["ours_fp32_vs_ref_o"] = rel(o32, ref_o)
         num["ours_fp32_vs_ref_ht"] = rel(h32, ref_h)
         num["ours_fp32_nan"] = bool(jnp.isnan(o32).any())
@@ -244,24 +235,19 @@ def run_jax():
     for B, T, H in SHAPES:
         args = timing_inputs(B, T, H)
         name = f"B{B}_T{T}_H{H}"
-        default = jax.jit(lambda *a: pallas_chunk_kda_fused_gate(*a, lower_bound=LB))
+        default = jax.jit(lambda *a: gpu_chunk_kda_fused(*a, lower_bound=LB))
         r = {"ours_default_ms": round(bench(default, args), 4)}
-        for (bv, nw, ns, iw, inter), pairs, wu, ik in itertools.product(
-                CONFIGS, PAIRS, WU_PLACES, INTER_KERNELS):
-            mosaic_fits = wu == "loop" and inter in ("fused", "segments")
+        for (bv, nw, ns, inter), pairs, ik in itertools.product(CONFIGS, PAIRS, INTER_KERNELS):
+            mosaic_fits = inter in ("fused", "segments")
             if (ik == "mosaic_gpu" and not mosaic_fits) or (ik == "triton" and inter == "segments"):
                 continue  # the Mosaic GPU inter kernels where they fit; segments only on them
-            tag = (f"ours_fused_bv{bv}_w{nw}_s{ns}_inv{iw}"
-                   + ("" if inter == "fused" else f"_{inter}")
-                   + f"_{pairs}_pairs_wu_{wu}" + ("_mosaic_gpu_inter" if ik == "mosaic_gpu" else ""))
+            tag = (f"ours_fused_bv{bv}_w{nw}_s{ns}" + ("" if inter == "fused" else f"_{inter}")
+                   + f"_{pairs}_pairs" + ("_mosaic_gpu_inter" if ik == "mosaic_gpu" else ""))
             try:
-                f = jax.jit(lambda q, k, v, g, b, a, d, bv=bv, nw=nw, ns=ns, iw=iw, inter=inter,
-                            pairs=pairs, wu=wu, ik=ik:
-                            pallas_chunk_kda_fused_gate(q, k, v, g, b, a, d, lower_bound=LB,
-                                                        block_v=bv, num_warps=nw, num_stages=ns,
-                                                        intra_warps=INTRA_WARPS,
-                                                        inverse_warps=iw, inter=inter,
-                                                        pairs=pairs, wu=wu, inter_kernel=ik))
+                config = chunk_config(*args[:4], block_v=bv, num_warps=nw, num_stages=ns,
+                                      inter=inter, pairs=pairs, inter_kernel=ik)
+                f = jax.jit(lambda *a, config=config: gpu_chunk_kda_fused(
+                    *a, lower_bound=LB, config=config))
                 ms = bench(f, args)
                 r[f"{tag}_ms"] = round(ms, 4)
             except Exception as e:
@@ -275,7 +261,7 @@ def run_jax():
         try:  # pre-activated kernel + the activations as XLA ops (unfused)
             def unfused(q, k, v, g, b, a, d):
                 qa, ka, ga, ba = activate(q, k, g, b, a, d)
-                return pallas_chunk_kda(qa.astype(q.dtype), ka.astype(q.dtype), v, ga, ba)
+                return gpu_chunk_kda(qa.astype(q.dtype), ka.astype(q.dtype), v, ga, ba)
             ms = bench(jax.jit(unfused), args)
             r["ours_unfused_xla_activations_ms"] = round(ms, 4)
         except Exception as e:
@@ -305,10 +291,10 @@ def run_stages():
     import jax.numpy as jnp
 
     from benchmarks.timing import median_ms
-    from pallas_kernels.kda.intra_blocks import compiler_params
-    from pallas_kernels.kda.mosaic_gpu_pairs import intra_pairs_mgpu
-    from pallas_kernels.kda.pallas_intra import chunk_inverses, intra_pairs, intra_wu
-    from pallas_kernels.kda.pallas_kda import gate_params, pallas_chunk_kda_fused_gate
+    from pallas_kernels.kda.gpu_pipeline import gate_params, gpu_chunk_kda_fused
+    from pallas_kernels.kda.mosaic_gpu.pairs import intra_pairs_mgpu
+    from pallas_kernels.kda.triton.intra import chunk_inverses, intra_pairs, intra_wu
+    from pallas_kernels.kda.triton.intra_blocks import compiler_params
 
     res = {"env": {"jax": jax.__version__, "device": str(jax.devices()[0])}}
     for B, T, H in SHAPES:
@@ -339,7 +325,7 @@ def run_stages():
             wu = jax.jit(lambda x, bk, v, b, w=warps: intra_wu(
                 x, bk, v, b, fused=True, interpret=False, params=compiler_params(False, w, 1)))
             r[f"wu_w{warps}_ms"] = round(median_ms(wu, x, bk, v, beta, reps=5, inner=10), 4)
-        f = jax.jit(lambda *a: pallas_chunk_kda_fused_gate(*a, lower_bound=LB))
+        f = jax.jit(lambda *a: gpu_chunk_kda_fused(*a, lower_bound=LB))
         r["whole_ms"] = round(
             median_ms(f, q, k, v, g, beta, A_log, dt_bias, reps=5, inner=10), 4)
         res[f"B{B}_T{T}_H{H}"] = r

@@ -1,4 +1,4 @@
-"""H200 check of packed variable-length sequences (``cu_seqlens``) in the Pallas KDA forward.
+"""H200 check of packed variable-length sequences (``cu_seqlens``) in the GPU KDA forward.
 
 Run on the GPU machine (about 2-3 minutes; results in $OUT/kda_varlen.json, rewritten after every
 case, each case in its own try/except so one failure does not hide the rest):
@@ -9,8 +9,8 @@ case, each case in its own try/except so one failure does not hide the rest):
    together), fp32 and bf16 inputs: varlen Pallas vs the exact fp32 reference with the same
    ``cu_seqlens``, and (fp32) vs running each sequence alone through the batched Pallas path
    (must agree to rounding: no state crosses a boundary). Also K3's fused-activation call with
-   ``cu_seqlens`` and ``chunk_kda(..., implementation="auto")``, which should pick the kernel on
-   GPU.
+   ``cu_seqlens`` and ``chunk_kda(..., implementation=None)``, whose policy should pick the kernel
+   ("pallas_gpu") on GPU.
 2. Timing, H=96, D=128, bf16: 16 sequences of mixed lengths (not multiples of 64) packed into
    32768 tokens, vs the same sequences as a padded [16, max_len] batch, vs a uniform [16, 2048]
    batch (the same token count with no raggedness: the floor for the packed run), and the cost of
@@ -57,7 +57,8 @@ def main() -> None:
 
     from benchmarks.timing import median_ms
     from pallas_kernels.kda import chunk_kda
-    from pallas_kernels.kda.pallas_kda import pallas_chunk_kda, pallas_chunk_kda_fused_gate
+    from pallas_kernels.kda.gpu_pipeline import gpu_chunk_kda
+    from pallas_kernels.kda.gpu_pipeline import gpu_chunk_kda_fused
     from pallas_kernels.kda.reference import chunked_kda
     from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
 
@@ -112,7 +113,7 @@ def main() -> None:
                 ref_o, ref_s = chunked_kda(f32(q), f32(k), f32(v), g, beta, scale=D**-0.5,
                                            initial_state=s0, cu_seqlens=cu)
                 t = time.time()
-                o, s = pallas_chunk_kda(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu)
+                o, s = gpu_chunk_kda(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu)
                 o.block_until_ready()
                 r = {"first_call_s": round(time.time() - t, 1), "o_vs_ref": rel(o, ref_o),
                      "state_vs_ref": rel(s, ref_s), "nan": bool(jnp.isnan(f32(o)).any())}
@@ -121,7 +122,7 @@ def main() -> None:
                     a, b = int(cu[i]), int(cu[i + 1])
                     if a == b:
                         continue
-                    o_i, s_i = pallas_chunk_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b],
+                    o_i, s_i = gpu_chunk_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b],
                                                 beta[:, a:b], initial_state=s0[i:i + 1])
                     dev_o = max(dev_o, float(jnp.abs(f32(o[:, a:b]) - f32(o_i)).max()))
                     dev_s = max(dev_s, float(jnp.abs(s[i] - s_i[0]).max()))
@@ -150,8 +151,8 @@ def main() -> None:
             A_log = jnp.asarray(r_.uniform(-1, 1, H_CHECK), jnp.float32)
             dt_bias = jnp.asarray(0.5 * r_.standard_normal(H_CHECK * D), jnp.float32)
             s0 = jnp.asarray(x["s0"])
-            o, s = pallas_chunk_kda_fused_gate(q, k, v, g_raw, b_logit, A_log, dt_bias,
-                                               lower_bound=LB, initial_state=s0, cu_seqlens=cu)
+            o, s = gpu_chunk_kda_fused(q, k, v, g_raw, b_logit, A_log, dt_bias,
+                                       lower_bound=LB, initial_state=s0, cu_seqlens=cu)
             gate_in = f32(g_raw) + dt_bias.reshape(H_CHECK, D)
             ga = LB * jax.nn.sigmoid(jnp.exp(A_log)[:, None] * gate_in)
             ba = jax.nn.sigmoid(f32(b_logit))
@@ -161,7 +162,7 @@ def main() -> None:
             qa, ka = l2(q).astype(jnp.bfloat16), l2(k).astype(jnp.bfloat16)
             auto_o, auto_s = chunk_kda(qa, ka, v, ga, ba, initial_state=s0, cu_seqlens=cu,
                                        output_final_state=True, lower_bound=LB)
-            pal_o, pal_s = pallas_chunk_kda(qa, ka, v, ga, ba, initial_state=s0, cu_seqlens=cu)
+            pal_o, pal_s = gpu_chunk_kda(qa, ka, v, ga, ba, initial_state=s0, cu_seqlens=cu)
             r["auto_equals_pallas"] = bool(jnp.array_equal(auto_o, pal_o)
                                            and jnp.array_equal(auto_s, pal_s))
             r["ok"] = bool(r["fused_bf16_o_vs_ref"] <= 2e-2 and r["auto_equals_pallas"])
@@ -196,9 +197,9 @@ def main() -> None:
         return l2(q).astype(bf), l2(k).astype(bf), mk(keys[2], B, T, H_TIME, D), g, beta
 
     cases = {
-        "packed_varlen": (1, TOTAL, lambda *a: pallas_chunk_kda(*a, cu_seqlens=cu)),
-        "padded_batch": (N_SEQ, t_max, lambda *a: pallas_chunk_kda(*a)),
-        "uniform_batch": (N_SEQ, TOTAL // N_SEQ, lambda *a: pallas_chunk_kda(*a)),
+        "packed_varlen": (1, TOTAL, lambda *a: gpu_chunk_kda(*a, cu_seqlens=cu)),
+        "padded_batch": (N_SEQ, t_max, lambda *a: gpu_chunk_kda(*a)),
+        "uniform_batch": (N_SEQ, TOTAL // N_SEQ, lambda *a: gpu_chunk_kda(*a)),
     }
     for name, (B, T, fn) in cases.items():
         if out_of_time(tim, name):

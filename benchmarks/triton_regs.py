@@ -54,10 +54,10 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
-from pallas_kernels.kda.pallas_kda import (
-    FEW_SEQUENCE_HEADS, default_inter, pallas_chunk_kda_fused_gate,
-)
-from pallas_kernels.kda.pallas_kda_bwd import pallas_chunk_kda_bwd
+from pallas_kernels.kda.gpu_backward import gpu_chunk_kda_bwd
+from pallas_kernels.kda.gpu_config import FEW_SEQUENCE_HEADS, chunk_config, default_inter
+from pallas_kernels.kda.gpu_pipeline import gpu_chunk_kda_fused
+from pallas_kernels.platform import target
 from pallas_kernels.moe.pallas_grouped_gemm import grouped_gate_up_situ, grouped_matmul, grouped_matmul_tn
 
 H200_CAPABILITY = 90
@@ -212,9 +212,9 @@ def _kda_fwd(sequence_heads: int, warps: int | None) -> tuple[Callable, tuple]:
     inter, block_v, default_warps = default_inter(sequence_heads)
 
     def fn(*a: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return pallas_chunk_kda_fused_gate(*a, lower_bound=LOWER_BOUND, interpret=False,
-                                           inter=inter, block_v=block_v,
-                                           num_warps=warps or default_warps)
+        config = chunk_config(*a[:4], inter=inter, block_v=block_v, num_warps=warps or default_warps)
+        with target("gpu"):  # the GPU kernels, not interpret mode
+            return gpu_chunk_kda_fused(*a, lower_bound=LOWER_BOUND, config=config)
 
     return fn, args
 
@@ -227,7 +227,8 @@ def _kda_bwd() -> tuple[Callable, tuple]:
                                                sds(tokens, jnp.bfloat16), state)
 
     def fn(*a: jax.Array) -> tuple[jax.Array, ...]:
-        return pallas_chunk_kda_bwd(*a, scale=KDA_D**-0.5, interpret=False)
+        with target("gpu"):  # the GPU kernels, not interpret mode
+            return gpu_chunk_kda_bwd(*a, scale=KDA_D**-0.5)
 
     return fn, args
 

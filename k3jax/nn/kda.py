@@ -4,6 +4,8 @@ Data path (k3-architecture.md §6.2, kda.md §1): q/k/v projections -> depthwise
 W, SiLU, fp32 weights) -> L2-normalised q, k -> per-channel log-decay
 g = lb * sigmoid(exp(A_log[h]) * (f_b(f_a(x)) + dt_bias)) and beta = sigmoid(b_proj x), both fp32
 -> KDA recurrence with an fp32 state -> per-head RMSNorm * sigmoid(g_proj x) -> o_proj.
+The activations from the conv outputs and the gate / beta pre-activations on are the KDA op's
+(`chunk_kda_fused`), so a kernel can fuse them; decode applies the same ones (`activate`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.config import L2_NORM_EPS, K3Config
+from k3jax.config import K3Config
+from k3jax.kernels import Kernels
 from k3jax.nn.layers import F32, Linear, constant_init, declare, normal_init
-from pallas_kernels.kda import chunk_kda, kda_decode
+from pallas_kernels.kda import activate, chunk_kda_fused, kda_decode
 
 
 class KDACache(NamedTuple):
@@ -57,11 +60,6 @@ def causal_conv_silu(x: jax.Array, weight: jax.Array, left: jax.Array) -> tuple[
     return jax.nn.silu(y).astype(x.dtype), full[:, seq:]
 
 
-def l2_normalize(x: jax.Array) -> jax.Array:
-    x32 = x.astype(F32)
-    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + L2_NORM_EPS)).astype(x.dtype)
-
-
 def gated_head_rms_norm(o: jax.Array, weight: jax.Array, gate: jax.Array, eps: float) -> jax.Array:
     """FusedRMSNormGated: per-head RMSNorm x gain x sigmoid(gate), all fp32, result in o's dtype."""
     o32 = o.astype(F32)
@@ -70,7 +68,7 @@ def gated_head_rms_norm(o: jax.Array, weight: jax.Array, gate: jax.Array, eps: f
 
 
 class KimiDeltaAttention(nnx.Module):
-    def __init__(self, cfg: K3Config, *, dtype: jnp.dtype, rngs: nnx.Rngs, implementation: str = "auto") -> None:
+    def __init__(self, cfg: K3Config, *, dtype: jnp.dtype, rngs: nnx.Rngs, kernels: Kernels = Kernels()) -> None:
         d, p, h, k = cfg.hidden_size, cfg.kda_proj_dim, cfg.kda_num_heads, cfg.kda_head_dim
         proj_axes = ("kda_proj", "embed")
         self.q_proj = Linear(d, p, dtype=dtype, axes=proj_axes, rngs=rngs)
@@ -91,16 +89,17 @@ class KimiDeltaAttention(nnx.Module):
         self.o_proj = Linear(p, d, dtype=dtype, axes=("embed", "kda_proj"), rngs=rngs, gain=0.5)
         self.num_heads, self.head_dim = h, k
         self.lower_bound, self.norm_eps = cfg.kda_gate_lower_bound, cfg.rms_norm_eps
-        self.implementation = implementation  # chunk_kda dispatch: "auto" | "xla" | "pallas"
+        self.kernels = kernels  # static: which KDA implementations prefill and decode run
 
     def __call__(
         self, x: jax.Array, cache: KDACache | None = None, valid: jax.Array | None = None
     ) -> tuple[jax.Array, KDACache | None]:
         """x [B, T, D] (already input-normalised). With a cache, continues from it (T == 1: decode step).
 
-        `valid` bool [B, T] (False at left padding): pad steps are identities (raw q/k/v zeroed, so
-        the conv windows of the first real tokens see zeros as in an unpadded run; g = beta = 0, so
-        the state is untouched).
+        `valid` bool [B, T] (False at left padding): pad steps are identities. Raw q/k/v are zeroed, so
+        the conv windows of the first real tokens see zeros as in an unpadded run; the gate and beta
+        pre-activations are -inf, which the KDA op turns into g = beta = 0 exactly (zero gradients),
+        so the state is untouched.
         """
         batch, seq, _ = x.shape
         h, k = self.num_heads, self.head_dim
@@ -113,20 +112,22 @@ class KimiDeltaAttention(nnx.Module):
         left = cache.conv if cache is not None else jnp.zeros((batch, conv_weight.shape[-1] - 1, raw.shape[-1]), x.dtype)
         qkv, conv_tail = causal_conv_silu(raw, conv_weight, left)
         q, key, v = (t.reshape(batch, seq, h, k) for t in jnp.split(qkv, 3, axis=-1))
-        q, key = l2_normalize(q), l2_normalize(key)
-        g, beta = self.decay_and_beta(x)
+        g_raw, beta_logits = self.gate_inputs(x)
         if valid is not None:
-            g, beta = jnp.where(valid[..., None, None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
+            g_raw = jnp.where(valid[..., None, None], g_raw, -jnp.inf)
+            beta_logits = jnp.where(valid[..., None], beta_logits, -jnp.inf)
+        A_log, dt_bias = self.A_log[...], self.dt_bias[...]
 
         if cache is not None and seq == 1:
-            o, state = kda_decode(q[:, 0], key[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state)
+            q, key, g, beta = activate(q[:, 0], key[:, 0], g_raw[:, 0], beta_logits[:, 0], A_log, dt_bias,
+                                       lower_bound=self.lower_bound)
+            o, state = kda_decode(q, key, v[:, 0], g, beta, cache.state, implementation=self.kernels.kda_decode)
             o = o[:, None]
         else:
             initial = cache.state if cache is not None else None
-            o, state = chunk_kda(
-                q, key, v, g, beta, initial_state=initial, output_final_state=cache is not None,
-                lower_bound=self.lower_bound,  # g > lb by construction: lets GPU use the safe-gate kernel
-                implementation=self.implementation,
+            o, state = chunk_kda_fused(
+                q, key, v, g_raw, beta_logits, A_log, dt_bias, lower_bound=self.lower_bound,
+                initial_state=initial, output_final_state=cache is not None, implementation=self.kernels.kda,
             )
 
         gate = self.g_proj(x).reshape(batch, seq, h, k)
@@ -134,15 +135,12 @@ class KimiDeltaAttention(nnx.Module):
         out = self.o_proj(o.reshape(batch, seq, h * k))
         return out, (KDACache(state, conv_tail) if cache is not None else None)
 
-    def decay_and_beta(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The lower-bounded log-decay g [B, T, H, K] in (lb, 0) and beta [B, T, H], both fp32."""
+    def gate_inputs(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The gate pre-activation f_b(f_a(x)) [B, T, H, K] and the beta logits b_proj(x) [B, T, H], in the
+        activation dtype; the KDA op activates them (fp32) with A_log, dt_bias and the lower bound."""
         batch, seq, _ = x.shape
-        z = self.f_b_proj(self.f_a_proj(x)).astype(F32).reshape(batch, seq, self.num_heads, self.head_dim)
-        z = z + self.dt_bias[...].reshape(self.num_heads, self.head_dim)
-        a = jnp.exp(self.A_log[...])[:, None]  # [H, 1]
-        g = self.lower_bound * jax.nn.sigmoid(a * z)
-        beta = jax.nn.sigmoid(self.b_proj(x).astype(F32))
-        return g, beta
+        g_raw = self.f_b_proj(self.f_a_proj(x)).reshape(batch, seq, self.num_heads, self.head_dim)
+        return g_raw, self.b_proj(x)
 
 
 class _Gain(nnx.Module):

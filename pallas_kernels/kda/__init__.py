@@ -1,6 +1,17 @@
-"""KDA (Kimi Delta Attention): public entry points and pure-JAX references."""
+"""KDA (Kimi Delta Attention): the public ops and the pure-JAX references.
 
-from pallas_kernels.kda.api import chunk_kda, kda_decode
-from pallas_kernels.kda.reference import naive_recurrent_kda, recurrent_kda_step
+``chunk_kda`` (pre-activated inputs), ``chunk_kda_fused`` (K3's raw inputs, activations
+included) and ``kda_decode`` take ``implementation`` ("xla", "pallas_gpu", "mosaic_tpu" or None
+for the policy; see ``dispatch.py``).
+"""
 
-__all__ = ["chunk_kda", "kda_decode", "naive_recurrent_kda", "recurrent_kda_step"]
+from pallas_kernels.kda.api import chunk_kda, chunk_kda_fused, kda_decode
+from pallas_kernels.kda.dispatch import CHUNK_IMPLEMENTATIONS, DECODE_IMPLEMENTATIONS
+from pallas_kernels.kda.reference import (
+    L2_NORM_EPS, activate, chunked_kda, naive_recurrent_kda, recurrent_kda_step,
+)
+
+__all__ = [
+    "CHUNK_IMPLEMENTATIONS", "DECODE_IMPLEMENTATIONS", "L2_NORM_EPS", "activate", "chunk_kda",
+    "chunk_kda_fused", "chunked_kda", "kda_decode", "naive_recurrent_kda", "recurrent_kda_step",
+]

@@ -1,9 +1,11 @@
-"""Per-chunk KDA algebra on whole 64-token chunks, shared by the pure-JAX backward and its kernels.
+"""Per-chunk KDA algebra on whole 64-token chunks, shared by the GPU kernels and the pure-JAX
+backward that tests them.
 
 Every function takes one chunk of one head as 2-D arrays (``[C, K]``, ``[C, V]``, ``[C, C]``,
 ``[K, V]``) and uses only elementwise ops, masks, row reductions, ``cumsum`` and 2-D dots, so the
-same code runs under ``jax.vmap`` (``chunk_backward.py``) and inside a Pallas-Triton kernel body
-(``pallas_kda_bwd.py``, which cannot slice register values). Math: kda.md section 2.1.
+same code runs under ``jax.vmap`` (the test oracle ``tests/pallas_kernels/kda/chunk_backward.py``)
+and inside a Pallas-Triton kernel body (``triton/``, which cannot slice register values). Math:
+kda.md section 2.1.
 
 Pairwise decays ``exp(G_r - G_i)`` (``r >= i``) are never formed as ``[C, C, K]`` tensors: the
 chunk is split into four 16-row sub-chunks and each factor is taken relative to the midpoint
@@ -27,6 +29,9 @@ BC = 16  # sub-chunk
 NC = C // BC
 MID = 8  # midpoint row of a sub-chunk
 CLAMP = 40.0
+# The safe gate: every step's log-decay g >= LOWER_BOUND_MIN keeps the midpoint factors within
+# e^40 (K3's ``gate_lower_bound``); the chunk kernels need it.
+LOWER_BOUND_MIN = -5.0
 
 
 TF32 = "tf32"  # a ``dot`` operand mode: fp32 operands, TF32 tensor-core products on GPU
@@ -50,11 +55,22 @@ def dot(a: jax.Array, b: jax.Array, mm_dtype, *, trans_a: bool = False,
                            preferred_element_type=_F32)
 
 
+def pair_output_types(q: jax.Array, store_dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The pair kernels' outputs for q [B, Tp, H, K]: ``(L fp32 [B, Tp, H, C] strictly lower,
+    bk = beta k e^G, Qg, Kd [B, Tp, H, K], Aqk [B, Tp, H, C] causal, all in ``store_dtype``, and
+    gl = e^{G_last} fp32 [B, N, H, K])``."""
+    B, Tp, H, K = q.shape
+    sds = jax.ShapeDtypeStruct
+    return (sds((B, Tp, H, C), _F32), sds((B, Tp, H, K), store_dtype),
+            sds((B, Tp, H, K), store_dtype), sds((B, Tp, H, K), store_dtype),
+            sds((B, Tp, H, C), store_dtype), sds((B, Tp // C, H, K), _F32))
+
+
 def pair_dtype(mm_dtype):
     """Operand mode of the pairwise-gradient products: at least TF32. In bf16 their row and
     column sides round differently, and dg (a reverse cumsum over the chunk, where the two sides
-    of every pair cancel exactly in exact arithmetic) then loses ~10x: 3.6e-2 vs 3.4e-3 relative
-    error against the fp32 reference at T=640 (TF32: 4.8e-3)."""
+    of every pair cancel exactly in exact arithmetic) then loses about an order of magnitude of
+    accuracy against the fp32 reference, where TF32 keeps it at bf16's level."""
     return _F32 if mm_dtype == _F32 else TF32
 
 

@@ -12,6 +12,8 @@ Per token (kda.md section 1.1)::
     S <- diag(exp(g_t)) S
     S <- S + beta_t k_t (v_t - S^T k_t)^T
     o_t = S^T (scale q_t)
+
+``activate`` gives those inputs from K3's raw ones (what ``api.chunk_kda_fused`` takes).
 """
 
 from __future__ import annotations
@@ -26,6 +28,42 @@ from jax.scipy.linalg import solve_triangular
 
 _HI = lax.Precision.HIGHEST
 _F32 = jnp.float32
+L2_NORM_EPS = 1e-6  # q, k L2 norm: x * rsqrt(sum x^2 + eps), as K3's release
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    """``x * rsqrt(sum x^2 + eps)`` over the last axis, in fp32 (a zero row stays zero)."""
+    x = x.astype(_F32)
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_NORM_EPS)
+
+
+def activate(
+    q_raw: jax.Array,
+    k_raw: jax.Array,
+    g_raw: jax.Array,
+    beta_logits: jax.Array,
+    A_log: jax.Array,
+    dt_bias: jax.Array,
+    *,
+    lower_bound: float,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """K3's input activations, all fp32: ``(l2(q_raw), l2(k_raw), g, sigmoid(beta_logits))`` with
+    ``g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias))``.
+
+    q_raw, k_raw, g_raw [..., H, K]; beta_logits [..., H]; A_log [H] (or K3's zero-padded
+    [>= H], first H used); dt_bias [H * K]. A gate or beta logit of -inf (how a caller marks a
+    step as an identity) gives exactly 0, with zero, never NaN, gradients for every input: the
+    -inf is replaced before ``exp(A_log)`` multiplies it (the product's derivative would be
+    ``0 * inf``).
+    """
+    H, K = q_raw.shape[-2:]
+    z = g_raw.astype(_F32) + dt_bias.astype(_F32).reshape(H, K)
+    off = z == -jnp.inf
+    a = jnp.exp(A_log.reshape(-1)[:H].astype(_F32))[:, None]  # [H, 1]
+    gate = lower_bound * jax.nn.sigmoid(a * jnp.where(off, 0.0, z))
+    g = jnp.where(off, 0.0, gate)
+    beta = jax.nn.sigmoid(beta_logits.astype(_F32))
+    return l2_normalize(q_raw), l2_normalize(k_raw), g, beta
 
 
 def _default_scale(q: jax.Array, scale: float | None) -> float:
@@ -240,7 +278,8 @@ def chunked_kda(
         initial_state = jnp.zeros((n_states, H, K, V), _F32)
     # The barrier keeps XLA from specialising the chunk scan on a constant (e.g. all-zero) state:
     # XLA:CPU in jaxlib 0.11.2 miscompiles that case when the final state is unused (its YNNPACK
-    # fusions return garbage for some T; tests/kda/test_kda_reference.py checks it under jit).
+    # fusions return garbage for some T; tests/pallas_kernels/kda/test_kda_reference.py checks it
+    # under jit).
     initial_state = jax.lax.optimization_barrier(initial_state)
     if offsets is None:
         o, state = _chunked_batched(q, k, v, g, beta, scale, initial_state, chunk_size=chunk_size)
