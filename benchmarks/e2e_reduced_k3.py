@@ -2,11 +2,11 @@
 
 The model keeps K3's widths (hidden 7168, 96 KDA/MLA heads, latent experts 3584 -> 3072, vocab
 163840) with fewer layers and experts so that it fits one H200. Both variants share the same
-random bf16 weights; only the kernel dispatch differs ("auto" = Pallas MoE + Pallas KDA on GPU,
-"xla" = lax.ragged_dot + the pure-JAX chunked KDA). Decode uses the recurrent KDA step in both.
+random bf16 weights; only the kernel choice differs ("policy" = every op's dispatch policy, on GPU the
+Pallas kernels; "xla" = lax.ragged_dot and the pure-JAX KDA, prefill and decode).
 
     PYTHONPATH=. python benchmarks/e2e_reduced_k3.py --layers 8 --experts 64 --out e2e.json
-    PYTHONPATH=. python benchmarks/e2e_reduced_k3.py --mesh expert=2 --implementations auto   # two GPUs
+    PYTHONPATH=. python benchmarks/e2e_reduced_k3.py --mesh expert=2 --kernels policy   # two GPUs
 
 With ``--mesh`` the model, inputs and caches are placed by `sharding` (the routed experts then run
 expert-parallel); the model is still built on one device first, so it must fit one.
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from benchmarks.timing import median_ms
 from k3jax.config import K3Config
+from k3jax.kernels import Kernels
 from k3jax.generate import _decode_step, _prefill
 from k3jax.model import K3Model
 from sharding import make_mesh, shard_batch, shard_cache, shard_model
@@ -37,14 +38,7 @@ def reduced_config(path: str, layers: int, experts: int) -> K3Config:
     )
 
 
-def set_kernels(model: K3Model, implementation: str) -> None:
-    """Point every KDA and MoE module at one dispatch choice (static attributes: the next call recompiles)."""
-    layers = [*model.head_layers, *model.tail_layers, *(model.group_layers or [])]
-    for layer in layers:
-        if layer.mixer_kind == "kda":
-            layer.self_attn.implementation = implementation
-        if layer.ffn_kind == "moe":
-            layer.block_sparse_moe.implementation = implementation
+KERNELS = {"policy": Kernels(), "xla": Kernels(kda="xla", kda_decode="xla", moe="xla")}
 
 
 def main() -> None:
@@ -59,7 +53,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
     parser.add_argument("--mesh", default=None, help="a mesh spec over all devices, e.g. expert=2")
-    parser.add_argument("--implementations", default="auto,xla", help="kernel dispatches to time")
+    parser.add_argument("--kernels", default="policy,xla", help=f"kernel choices to time, of {sorted(KERNELS)}")
     args = parser.parse_args()
 
     cfg = reduced_config(args.config, args.layers, args.experts)
@@ -81,16 +75,16 @@ def main() -> None:
     # The decode context is prefilled once, by the kernels: XLA's GPU ragged_dot expands the
     # routed rows densely per expert ([experts, rows, 3072] bf16 = 192 GiB for 32 x 1024 tokens
     # at 64 experts), which no H200 holds. The cache is the same whichever path filled it.
-    set_kernels(model, "auto")
+    model.use_kernels(KERNELS["policy"])
     _, context_cache = _prefill(model, context, capacity)
     if mesh is not None:
         context_cache = shard_cache(context_cache, mesh)
     jax.block_until_ready(context_cache)
     check_ids = prompt[:, :256]
     check_logits = {}
-    for implementation in args.implementations.split(","):
-        set_kernels(model, implementation)
-        check_logits[implementation] = _prefill(model, check_ids, check_ids.shape[1])[0].astype(jnp.float32)
+    for choice in args.kernels.split(","):
+        model.use_kernels(KERNELS[choice])
+        check_logits[choice] = _prefill(model, check_ids, check_ids.shape[1])[0].astype(jnp.float32)
         prefill_s = median_ms(lambda: _prefill(model, prompt, args.prefill_len)[0], reps=args.repeats) / 1e3
         cache = jax.tree.map(jnp.copy, context_cache)
         tokens = context[:, -1]
@@ -107,14 +101,14 @@ def main() -> None:
             "decode_tokens_per_s": args.decode_batch * args.decode_steps / decode_s,
             "decode_step_ms": decode_s / args.decode_steps * 1e3,
         }
-        results["runs"][implementation] = run
-        print(implementation, json.dumps(run), flush=True)
+        results["runs"][choice] = run
+        print(choice, json.dumps(run), flush=True)
         del cache
-    if {"auto", "xla"} <= set(check_logits):
-        diff = check_logits["auto"] - check_logits["xla"]
+    if {"policy", "xla"} <= set(check_logits):
+        diff = check_logits["policy"] - check_logits["xla"]
         rel = float(jnp.sqrt(jnp.mean(diff**2) / jnp.mean(check_logits["xla"] ** 2)))
-        results["logits_rel_rms_auto_vs_xla"] = rel
-        print("logits rel-RMS auto vs xla (bf16, 256 tokens):", rel, flush=True)
+        results["logits_rel_rms_policy_vs_xla"] = rel
+        print("logits rel-RMS policy vs xla (bf16, 256 tokens):", rel, flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -58,7 +58,7 @@ from pallas_kernels.kda.gpu_backward import gpu_chunk_kda_bwd
 from pallas_kernels.kda.gpu_config import FEW_SEQUENCE_HEADS, chunk_config, default_inter
 from pallas_kernels.kda.gpu_pipeline import gpu_chunk_kda_fused
 from pallas_kernels.platform import target
-from pallas_kernels.moe.pallas_grouped_gemm import grouped_gate_up_situ, grouped_matmul, grouped_matmul_tn
+from pallas_kernels.moe.triton import grouped_gate_up_situ, grouped_matmul, grouped_matmul_tn
 
 H200_CAPABILITY = 90
 TARGET = GPUTarget("cuda", H200_CAPABILITY, 32)

@@ -114,6 +114,14 @@ class K3Model(nnx.Module):
         ]
         return cls(cfg, layers, rngs=rngs)
 
+    def use_kernels(self, kernels: Kernels | Mapping[str, str | None] | None) -> None:
+        """Switch this model to another kernel choice in place: the same weights, and the next
+        jitted call compiles for the new choice (e.g. to compare a kernel with the reference)."""
+        kernels = Kernels.of(kernels)
+        for _, module in nnx.iter_modules(self):
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
+
     # ---- access by layer index ----------------------------------------------------------
     def layer(self, index: int) -> DecoderLayer:
         where, i, j = self.plan.slot(index)
