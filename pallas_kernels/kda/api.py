@@ -9,6 +9,8 @@ supports the call, "xla" elsewhere. Every path is differentiable; the custom VJP
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -130,7 +132,7 @@ def chunk_kda_fused(
     if A_log.shape[0] < H:
         raise ValueError(f"A_log: expected at least H = {H} entries, got shape {tuple(A_log.shape)}")
     _expect_shape("dt_bias", dt_bias, (H * K,), "[H * K]")
-    if not isinstance(lower_bound, (int, float)) or not lower_bound < 0:
+    if not isinstance(lower_bound, numbers.Real) or not lower_bound < 0:
         raise ValueError(f"lower_bound: expected a negative number, got {lower_bound!r}")
     return _run_chunk(q_raw, k_raw, v, g_raw, beta_logits, Gate(A_log, dt_bias, float(lower_bound)),
                       scale=scale, initial_state=initial_state,
