@@ -30,6 +30,7 @@ from k3jax.load.assemble import load_model
 from k3jax.load.placement import slot_shardings
 from k3jax.load.release import EXPERTS
 from k3jax.model import K3Model
+from pallas_kernels.mxfp4 import decode_mxfp4, decode_mxfp4_jax
 from sharding import make_mesh
 
 

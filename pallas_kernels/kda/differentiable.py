@@ -64,14 +64,6 @@ def _gpu_bwd(scale, offsets, residuals, cotangents):
 _gpu.defvjp(_gpu_fwd, _gpu_bwd)
 
 
-def _activated_for_backward(q_raw, k_raw, g_raw, beta_logits, A_log, dt_bias, *, lower_bound):
-    """``reference.activate`` with q, k rounded to their raw dtype: the backward's inputs in the
-    dtypes the unfused path gives it (bf16 q, k in training, fp32 gate and beta)."""
-    q, k, g, beta = activate(q_raw, k_raw, g_raw, beta_logits, A_log, dt_bias,
-                             lower_bound=lower_bound)
-    return q.astype(q_raw.dtype), k.astype(k_raw.dtype), g, beta
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def _gpu_fused(q_raw, k_raw, v, g_raw, beta_logits, A_log, dt_bias, s0, lower_bound: float,
                scale: float, offsets: Offsets):
@@ -91,7 +83,7 @@ def _gpu_fused_fwd(q_raw, k_raw, v, g_raw, beta_logits, A_log, dt_bias, s0, lowe
 def _gpu_fused_bwd(lower_bound, scale, offsets, residuals, cotangents):
     (q_raw, k_raw, v, g_raw, beta_logits, A_log, dt_bias, s0), intra = residuals
     activated, pull_back = jax.vjp(
-        functools.partial(_activated_for_backward, lower_bound=lower_bound),
+        functools.partial(activate, lower_bound=lower_bound),
         q_raw, k_raw, g_raw, beta_logits, A_log, dt_bias)
     q, k, g, beta = activated
     dq, dk, dv, dg, dbeta, ds0 = gpu_chunk_kda_bwd(q, k, v, g, beta, s0, *cotangents, scale=scale,

@@ -47,8 +47,10 @@ def activate(
     *,
     lower_bound: float,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """K3's input activations, all fp32: ``(l2(q_raw), l2(k_raw), g, sigmoid(beta_logits))`` with
-    ``g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias))``.
+    """K3's input activations: ``(l2(q_raw), l2(k_raw), g, sigmoid(beta_logits))`` with
+    ``g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias))``. The norms are taken in fp32
+    and rounded to the raw inputs' dtype (as the reference's in-kernel L2 norm stores them); g and
+    beta stay fp32.
 
     q_raw, k_raw, g_raw [..., H, K]; beta_logits [..., H]; A_log [H] (or K3's zero-padded
     [>= H], first H used); dt_bias [H * K]. A gate or beta logit of -inf (how a caller marks a
@@ -63,7 +65,7 @@ def activate(
     gate = lower_bound * jax.nn.sigmoid(a * jnp.where(off, 0.0, z))
     g = jnp.where(off, 0.0, gate)
     beta = jax.nn.sigmoid(beta_logits.astype(_F32))
-    return l2_normalize(q_raw), l2_normalize(k_raw), g, beta
+    return l2_normalize(q_raw).astype(q_raw.dtype), l2_normalize(k_raw).astype(k_raw.dtype), g, beta
 
 
 def _default_scale(q: jax.Array, scale: float | None) -> float:
