@@ -13,12 +13,13 @@ beta logits; A_log [H] and dt_bias [H K] fp32; no initial state, as in training)
       use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate, lower_bound=-5)``, when ``fla``
       imports (installed from the carried wheel).
 
-Before timing, every path's output (and for the fwd+bwd paths every gradient) is compared with
-(b)'s and (c)'s; the relative L2 differences go into the JSON and a path beyond the bf16 bounds
-(``OUT_TOL``, ``GRAD_TOL``) is not timed. Prints a markdown table; writes JSON to ``--out``.
+Every path's output (and for the fwd+bwd paths every gradient) is compared with (b)'s and (c)'s;
+the relative L2 differences go into the JSON and a path beyond the bf16 bounds (``OUT_TOL``,
+``GRAD_TOL``) keeps no time. fla runs first at each shape (see ``time_fla``). Prints a markdown table; writes JSON to ``--out``.
 
     python3 -m pip install -q --no-deps --target /tmp/site fla_core-0.6.0-py3-none-any.whl
-    PYTHONPATH=/tmp/site:. python3 benchmarks/kda_model_path.py --out $OUT/kda_model_path.json
+    PYTHONPATH=/tmp/site:. python3 benchmarks/kda_model_path.py --shape 4,8192,96 --out $OUT/kda_b4.json
+    PYTHONPATH=/tmp/site:. python3 benchmarks/kda_model_path.py --shape 1,32768,16 --out $OUT/kda_b1.json
     PYTHONPATH=. python3 benchmarks/kda_model_path.py --smoke --out /tmp/kda_smoke.json  # CPU
 
 ``--smoke``: tiny shapes on CPU in interpret mode, without fla, against the XLA op as well (to
@@ -142,8 +143,35 @@ def to_jax(t):
     return jax.dlpack.from_dlpack(t.detach().contiguous())
 
 
+def time_fla(fla, torch_args, r, save):
+    """fla's outputs and times, taken before our paths allocate: JAX keeps what it allocated for
+    reuse, so the peer runs first and hands its cached memory back (``empty_cache``)."""
+    import torch
+
+    from benchmarks.torch_peer import do_bench_ms
+
+    outputs = {}
+    for key, fn in fla.items():
+        call = (lambda fn=fn, key=key: fn(*(torch_args if key.endswith("bwd") else torch_args[:7])))
+        try:
+            out = call()
+            if key.endswith("bwd"):
+                outputs[key] = (to_jax(out[0]), tuple(to_jax(g) for g in out[1]))
+            else:
+                outputs[key] = to_jax(out)
+            del out
+            r[f"{key}_ms"] = round(do_bench_ms(call)[0], 4)
+        except Exception:
+            r[f"{key}_error"] = traceback.format_exc()[-2000:]
+        torch.cuda.synchronize()
+        save()
+    torch.cuda.empty_cache()
+    return outputs
+
+
 def measure(shape, d, smoke, paths, fla, res, save):
-    """Agreement, then timing, of every path at one shape; results into ``res[name]``."""
+    """Every path's outputs, their agreement with the op's, then the timings, at one shape; results
+    into ``res[name]``. A path whose outputs disagree keeps no time."""
     import jax
 
     from benchmarks.timing import median_ms
@@ -153,7 +181,7 @@ def measure(shape, d, smoke, paths, fla, res, save):
     r = res.setdefault(name, {})
     args = inputs(B, T, H, d)
     reps = dict(reps=1, inner=1) if smoke else dict(reps=5, inner=5)
-    outputs = {}
+    outputs = {} if fla is None else time_fla(fla, to_torch(args), r, save)
     for key in [k for k in paths if smoke or not k.startswith("xla")]:
         try:
             fn = paths[key]
@@ -161,21 +189,6 @@ def measure(shape, d, smoke, paths, fla, res, save):
             outputs[key] = jax.block_until_ready(out)
         except Exception:
             r[f"{key}_error"] = traceback.format_exc()[-2000:]
-    torch_args = None
-    if fla is not None:
-        import torch
-
-        torch_args = to_torch(args)
-        for key, fn in fla.items():
-            try:
-                out = fn(*torch_args) if key.endswith("bwd") else fn(*torch_args[:7])
-                if key.endswith("bwd"):
-                    outputs[key] = (to_jax(out[0]), tuple(to_jax(g) for g in out[1]))
-                else:
-                    outputs[key] = to_jax(out)
-            except Exception:
-                r[f"{key}_error"] = traceback.format_exc()[-2000:]
-            torch.cuda.synchronize()
 
     agree = r.setdefault("agreement", {})
     ok = {}
@@ -193,26 +206,25 @@ def measure(shape, d, smoke, paths, fla, res, save):
             agree[key] = rel(out, base)
             ok[key] = agree[key] <= OUT_TOL
     r["agree"] = ok
+    fla_keys = [key for key in outputs if key.startswith("fla")]
+    for key in fla_keys:
+        if not ok.get(key, False):
+            r[f"{key}_ms"] = None
+    for key in fla_keys:
+        del outputs[key]
     save()
 
-    for key in outputs:
+    for key in list(outputs):
         if not ok.get(key, False):
             r[f"{key}_ms"] = None
             continue
         try:
-            if key.startswith("fla"):
-                from benchmarks.torch_peer import do_bench_ms
-
-                fn = fla[key]
-                r[f"{key}_ms"] = round(do_bench_ms(lambda: fn(*(
-                    torch_args if key.endswith("bwd") else torch_args[:7])))[0], 4)
-            else:
-                call_args = args if key.endswith("bwd") else args[:7]
-                r[f"{key}_ms"] = round(median_ms(paths[key], *call_args, **reps), 4)
+            call_args = args if key.endswith("bwd") else args[:7]
+            r[f"{key}_ms"] = round(median_ms(paths[key], *call_args, **reps), 4)
         except Exception:
             r[f"{key}_error"] = traceback.format_exc()[-2000:]
         save()
-    del args, torch_args, outputs
+    del args, outputs
 
 
 COLUMNS = [("(a) fused kernel fwd", "kernel_fwd"), ("(b) op fwd", "op_fwd"),
@@ -241,6 +253,9 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="path of the JSON results")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU in interpret mode, without fla")
+    parser.add_argument("--shape", default=None,
+                        help="B,T,H: this shape only (one process per shape keeps the peer's memory "
+                             "apart from what JAX holds for the shapes before)")
     a = parser.parse_args()
     if a.smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -260,7 +275,10 @@ def main() -> None:
     res["env"]["fla"] = fla is not None
     paths = jax_paths()
     t0 = time.time()
-    for shape in SMOKE_SHAPES if a.smoke else SHAPES:
+    shapes = SMOKE_SHAPES if a.smoke else SHAPES
+    if a.shape:
+        shapes = [tuple(int(x) for x in a.shape.split(","))]
+    for shape in shapes:
         try:
             measure(shape, SMOKE_D if a.smoke else D, a.smoke, paths, fla, res, save)
         except Exception:
