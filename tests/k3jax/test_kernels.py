@@ -18,7 +18,7 @@ from k3jax.nn.decoder import DecoderLayer
 from tests.conftest import GOLDEN_DIR
 
 # The op entries the layers call, by the name they have in the layer's module.
-OPS = {"chunk_kda": kda_module, "kda_decode": kda_module, "routed_experts": moe_module}
+OPS = {"chunk_kda_fused": kda_module, "kda_decode": kda_module, "routed_experts": moe_module}
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +94,14 @@ def run_and_record(monkeypatch, model: K3Model) -> dict[str, set[tuple[str, obje
 
 def test_kda_and_moe_choice_reach_every_call_site(cfg, monkeypatch):
     by_site = run_and_record(monkeypatch, K3Model.init(cfg, kernels={"kda": "xla", "moe": "xla"}))
-    chunked = {("chunk_kda", "xla"), ("routed_experts", "xla")}
+    chunked = {("chunk_kda_fused", "xla"), ("routed_experts", "xla")}
     for name in ("prefill", "generate", "generate_streaming"):
         assert chunked <= by_site[name], f"{name} traced {sorted(map(str, by_site[name]))}"
     for name, seen in by_site.items():
         asked = {impl for op, impl in seen if op != "kda_decode"}
-        assert asked == {"xla"}, f"{name}: chunk_kda / routed_experts were asked for {asked}, not only 'xla'"
+        assert asked == {"xla"}, f"{name}: chunk_kda_fused / routed_experts were asked for {asked}, not only 'xla'"
     assert ("routed_experts", "xla") in by_site["decode_step"]
-    assert not any(op == "chunk_kda" for op, _ in by_site["decode_step"])  # one token: the recurrent step
+    assert not any(op == "chunk_kda_fused" for op, _ in by_site["decode_step"])  # one token: the recurrent step
 
 
 def test_kda_decode_choice_reaches_every_decode_step(cfg, monkeypatch):
