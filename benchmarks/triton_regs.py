@@ -86,14 +86,11 @@ class Usage:
 def h200_lowering() -> Iterator[None]:
     """Lower Pallas-Triton as on an H200 from a CPU-only process.
 
-    Pallas asks for the GPU's compute capability; the KDA entry points pick their GPU kernels
-    (rather than interpret mode or the XLA reference) only when the default backend is "gpu".
+    Pallas asks for the GPU's compute capability (patched: no GPU here); the kernels are chosen as
+    for a GPU (`platform.target`), not interpret mode or the XLA reference.
     """
     h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    with (
-        mock.patch.object(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200),
-        mock.patch.object(jax, "default_backend", lambda: "gpu"),
-    ):
+    with mock.patch.object(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h200), target("gpu"):
         yield
 
 
