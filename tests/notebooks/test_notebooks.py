@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import GOLDEN_DIR, rel_rms
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 
 # Golden README §6: a float32 implementation with full-precision matmuls lands below these on the logits.
 LOGITS_REL_RMS, LOGITS_MAX_ABS = 1e-4, 1e-3
