@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -44,7 +44,7 @@ def _parse_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _number(low: float, high: float, *, low_open: bool = False) -> type:
+def _number(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
     """An argparse `type`: a finite float in [low, high] (or (low, high])."""
     expected = f"a number {'>' if low_open else '>='} {low}" + (f" and <= {high}" if high != math.inf else "")
 
@@ -66,17 +66,15 @@ def _seed(text: str) -> int:
     return value
 
 
-def _text(flag: str):
+def _text(text: str) -> str:
     """An argparse `type`: non-empty, valid UTF-8 text (argv bytes that were not UTF-8 are an error)."""
-    def parse(text: str) -> str:
-        try:
-            check_text(text, "the text")
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-        if not text:
-            raise argparse.ArgumentTypeError("expected non-empty text")
-        return text
-    return parse
+    try:
+        check_text(text, "the text")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if not text:
+        raise argparse.ArgumentTypeError("expected non-empty text")
+    return text
 
 
 def _stop_ids(values: Sequence[str], tokenizer: Tokenizer, vocab_size: int) -> list[int]:
@@ -169,9 +167,13 @@ def _run_generation(args: argparse.Namespace) -> int:
 
     print(args.prompt if args.ids is None else f"{ids} ->", end=" " if args.ids is not None else "", flush=True)
     start = time.perf_counter()
-    generate(model, np.asarray([ids], np.int32), max_new_tokens=args.max_new_tokens,
-             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-             stop_tokens=stop, on_token=on_token)
+    try:
+        generate(model, np.asarray([ids], np.int32), max_new_tokens=args.max_new_tokens,
+                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                 stop_tokens=stop, on_token=on_token)
+    except ValueError as err:  # e.g. the model produced an id its tokenizer cannot decode
+        print(f"\nerror: {err}", file=sys.stderr)
+        return 1
     print()
     if args.ids is not None:
         print(f"ids: {new_tokens}")
@@ -233,14 +235,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     demo = commands.add_parser(
         "demo", help="write a tiny K3 in the release format, convert it, restore it sharded, generate")
-    demo.add_argument("--prompt", type=_text("--prompt"), default="Kimi K3 in JAX: ")
+    demo.add_argument("--prompt", type=_text, default="Kimi K3 in JAX: ")
     demo.add_argument("--max-new-tokens", type=int_at_least(1), default=24)
     demo.add_argument("--mesh", metavar="SPEC", default=None, help="default: data=2,expert=2,tensor=2 on 8 devices")
 
     gen = commands.add_parser("generate", help="stream the continuation of a prompt")
     gen.add_argument("--model", type=Path, required=True, help="HF release or `k3jax convert` directory")
     source = gen.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", type=_text("--prompt"),
+    source.add_argument("--prompt", type=_text,
                         help="prompt text (the checkpoint's tokenizer, bytes if it has none; control-token "
                              "strings in it stay text)")
     source.add_argument("--ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")

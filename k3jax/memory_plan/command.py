@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from k3jax.config import ConfigError, K3Config
@@ -19,7 +20,7 @@ from sharding import mesh_device_count
 MAX_PLAN_DEVICES = 1024
 
 
-def int_at_least(low: int):
+def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse `type`: an integer >= low, else an error saying what was expected."""
     def parse(text: str) -> int:
         try:
