@@ -110,11 +110,11 @@ def _prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer, config: K3Config
     bos token first when --bos (the default for --prompt when the tokenizer or config has one)."""
     ids = args.ids if args.ids is not None else tokenizer.encode(args.prompt)
     bos = tokenizer.bos_id if tokenizer.bos_id is not None else config.bos_token_id
-    if args.bos is None:  # default: bos before a text prompt, --ids exactly as given
-        args.bos = args.ids is None and bos is not None
-    if args.bos and bos is None:
+    # Default: bos before a text prompt, --ids exactly as given.
+    use_bos = args.ids is None and bos is not None if args.bos is None else args.bos
+    if use_bos and bos is None:
         raise ValueError("--bos: neither the tokenizer nor config.json has a bos token")
-    return [bos, *ids] if args.bos else ids
+    return [bos, *ids] if use_bos else ids
 
 
 def _run_generation(args: argparse.Namespace) -> int:
@@ -128,7 +128,7 @@ def _run_generation(args: argparse.Namespace) -> int:
         return 1
     try:
         ids = _prompt_ids(args, tokenizer, config)
-        stop = ([config.eos_token_id] if config.eos_token_id is not None else [])
+        stop = [config.eos_token_id] if config.eos_token_id is not None else []
         stop += _stop_ids(args.stop, tokenizer, config.vocab_size)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
