@@ -8,11 +8,18 @@ The kernel each op runs is part of the model (`K3Model.init(cfg, kernels=k3jax.K
 None: the dispatch policy for this platform).
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from k3jax.config import ConfigError, K3Config
 from k3jax.generate import GenerateOutput, decode_step, generate, left_pad, prefill
 from k3jax.kernels import Kernels
 from k3jax.model import K3Model, ModelCache, forward
 from k3jax.pretrained import from_pretrained
+
+try:
+    __version__ = version("k3jax")
+except PackageNotFoundError:  # run from a source tree that is not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ConfigError", "GenerateOutput", "K3Config", "K3Model", "Kernels", "ModelCache", "decode_step", "forward",

@@ -3,60 +3,154 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import jax
 import numpy as np
 
-from k3jax import distributed
+from k3jax import __version__, distributed
 from k3jax.checkpoint.safetensors_index import CheckpointError
-from k3jax.config import ConfigError
+from k3jax.config import ConfigError, K3Config
 from k3jax.convert import convert, plan_conversion
 from k3jax.convert.report import device_bytes, format_device_bytes, format_release_plan
 from k3jax.demo import run_demo
 from k3jax.generate import generate
-from k3jax.memory_plan.command import add_plan_command, run_plan_command
+from k3jax.memory_plan.command import add_plan_command, int_at_least, run_plan_command
 from k3jax.pretrained import from_pretrained
-from k3jax.tokenizer import load_tokenizer
+from k3jax.tokenizer import Tokenizer, check_text, load_tokenizer
 from k3jax.units import format_bytes
+from sharding import parse_mesh_spec
+
+MAX_SEED = 2**63 - 1  # JAX's PRNG key takes a signed 64-bit seed
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the flag and what it expects; see --help), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--ids expects comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _number(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse `type`: a finite float in [low, high] (or (low, high])."""
+    expected = f"a number {'>' if low_open else '>='} {low}" + (f" and <= {high}" if high != math.inf else "")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not (math.isfinite(value) and (low < value if low_open else low <= value) and value <= high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    return parse
+
+
+def _seed(text: str) -> int:
+    value = int_at_least(0)(text)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63 - 1], got {text}")
+    return value
+
+
+def _text(text: str) -> str:
+    """An argparse `type`: non-empty, valid UTF-8 text (argv bytes that were not UTF-8 are an error)."""
+    try:
+        check_text(text, "the text")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if not text:
+        raise argparse.ArgumentTypeError("expected non-empty text")
+    return text
+
+
+def _stop_ids(values: Sequence[str], tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """--stop values -> token ids: comma-separated ids, a special token's name, or text of exactly one token."""
+    ids: list[int] = []
+    for value in values:
+        try:
+            parts = [int(t) for t in value.split(",") if t.strip()]
+        except ValueError:
+            parts = [tokenizer.special_tokens[value]] if value in tokenizer.special_tokens else tokenizer.encode(value)
+            if len(parts) != 1:
+                raise ValueError(f"--stop {value!r}: the text is {len(parts)} tokens {parts}; a stop is one token "
+                                 "(give its id)") from None
+        bad = [i for i in parts if not 0 <= i < vocab_size]
+        if bad or not parts:
+            raise ValueError(f"--stop {value!r}: expected token ids in [0, {vocab_size}) or text, got {bad or value!r}")
+        ids.extend(parts)
+    return ids
 
 
 def _use_fake_cpu_devices(count: int = 8) -> None:
     """Without accelerators, give the CPU `count` devices so meshes work (before JAX starts its backend),
     and one OpenBLAS thread, since all of them call it at once."""
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    jax.config.update("jax_num_cpu_devices", count)
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # the backend has started (main called in a running program): its devices stand
+        pass
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer, config: K3Config) -> list[int]:
+    """The prompt as ids: --ids as given, or --prompt encoded as plain text (no control tokens); with the
+    bos token first when --bos (the default for --prompt when the tokenizer or config has one)."""
+    ids = args.ids if args.ids is not None else tokenizer.encode(args.prompt)
+    bos = tokenizer.bos_id if tokenizer.bos_id is not None else config.bos_token_id
+    # Default: bos before a text prompt, --ids exactly as given.
+    use_bos = args.ids is None and bos is not None if args.bos is None else args.bos
+    if use_bos and bos is None:
+        raise ValueError("--bos: neither the tokenizer nor config.json has a bos token")
+    return [bos, *ids] if use_bos else ids
 
 
 def _run_generation(args: argparse.Namespace) -> int:
-    """Stream the continuation of a prompt (text through the checkpoint's tokenizer, or --ids)."""
+    """Stream the continuation of a prompt (text through the checkpoint's tokenizer, or --ids). Everything
+    the command line says is checked before the model loads; stop tokens are not printed."""
     try:
+        config = K3Config.from_hf(args.model / "config.json")
         tokenizer = load_tokenizer(args.model)
+    except (CheckpointError, ConfigError, OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    try:
+        ids = _prompt_ids(args, tokenizer, config)
+        stop = [config.eos_token_id] if config.eos_token_id is not None else []
+        stop += _stop_ids(args.stop, tokenizer, config.vocab_size)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not ids:
+        print("error: the prompt has no tokens", file=sys.stderr)
+        return 2
+    bad = [i for i in ids if not 0 <= i < config.vocab_size]
+    if bad:
+        print(f"error: token ids {bad} are outside the vocabulary [0, {config.vocab_size})", file=sys.stderr)
+        return 2
+    if args.top_k is not None and args.top_k > config.vocab_size:
+        print(f"error: --top-k {args.top_k}: expected at most the vocabulary size {config.vocab_size}", file=sys.stderr)
+        return 2
+    try:
         model = from_pretrained(args.model, dtype=args.dtype, mesh=args.mesh)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    ids = args.ids if args.ids is not None else tokenizer.encode(args.prompt)
-    if not ids:
-        print("error: the prompt has no tokens", file=sys.stderr)
-        return 2
-    bad = [i for i in ids if not 0 <= i < model.config.vocab_size]
-    if bad:
-        print(f"error: token ids {bad} are outside the vocabulary [0, {model.config.vocab_size})", file=sys.stderr)
-        return 2
 
     new_tokens: list[int] = []
+    shown_tokens: list[int] = []
     shown = ""
     arrivals: list[float] = []
 
@@ -64,16 +158,22 @@ def _run_generation(args: argparse.Namespace) -> int:
         nonlocal shown
         arrivals.append(time.perf_counter())
         new_tokens.append(int(tokens[0]))
-        text = tokenizer.decode(new_tokens)
+        if new_tokens[-1] in stop:
+            return
+        shown_tokens.append(new_tokens[-1])
+        text = tokenizer.decode(shown_tokens)
         print(text[len(shown):], end="", flush=True)
         shown = text
 
     print(args.prompt if args.ids is None else f"{ids} ->", end=" " if args.ids is not None else "", flush=True)
     start = time.perf_counter()
-    stop = [model.config.eos_token_id] if model.config.eos_token_id is not None else []
-    generate(model, np.asarray([ids], np.int32), max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   stop_tokens=stop, on_token=on_token)
+    try:
+        generate(model, np.asarray([ids], np.int32), max_new_tokens=args.max_new_tokens,
+                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                 stop_tokens=stop, on_token=on_token)
+    except ValueError as err:  # e.g. the model produced an id its tokenizer cannot decode
+        print(f"\nerror: {err}", file=sys.stderr)
+        return 1
     print()
     if args.ids is not None:
         print(f"ids: {new_tokens}")
@@ -128,26 +228,36 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="k3jax", description="Kimi K3 in JAX.")
+    """Run one command; a user error is one line on stderr and a non-zero exit status, no traceback."""
+    parser = _Parser(prog="k3jax", description="Kimi K3 in JAX.")
+    parser.add_argument("--version", action="version", version=f"k3jax {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser(
         "demo", help="write a tiny K3 in the release format, convert it, restore it sharded, generate")
-    demo.add_argument("--prompt", default="Kimi K3 in JAX: ")
-    demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo.add_argument("--prompt", type=_text, default="Kimi K3 in JAX: ")
+    demo.add_argument("--max-new-tokens", type=int_at_least(1), default=24)
     demo.add_argument("--mesh", metavar="SPEC", default=None, help="default: data=2,expert=2,tensor=2 on 8 devices")
 
     gen = commands.add_parser("generate", help="stream the continuation of a prompt")
     gen.add_argument("--model", type=Path, required=True, help="HF release or `k3jax convert` directory")
     source = gen.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", help="prompt text (the checkpoint's tokenizer; bytes if it has none)")
+    source.add_argument("--prompt", type=_text,
+                        help="prompt text (the checkpoint's tokenizer, bytes if it has none; control-token "
+                             "strings in it stay text)")
     source.add_argument("--ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
+    gen.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
+                     help="put the bos token first (default: yes for --prompt when the tokenizer or config has "
+                          "one, no for --ids)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TOKEN_IDS_OR_TEXT",
+                     help="stop at these token ids (e.g. 163586,163587), or at this special token or one-token "
+                          "text; repeatable; the config's eos always stops; stop tokens are not printed")
     gen.add_argument("--mesh", metavar="SPEC", default=None, help="e.g. expert=8,tensor=8 (default: one device)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-new-tokens", type=int_at_least(1), default=64)
+    gen.add_argument("--temperature", type=_number(0, math.inf), default=0.0, help=">= 0; 0 is greedy")
+    gen.add_argument("--top-k", type=int_at_least(1), default=None)
+    gen.add_argument("--top-p", type=_number(0, 1, low_open=True), default=None, help="in (0, 1]")
+    gen.add_argument("--seed", type=_seed, default=0, help="in [0, 2**63 - 1]")
     gen.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
 
     conv = commands.add_parser("convert", help="convert a Hugging Face release to per-layer Orbax checkpoints")
@@ -175,13 +285,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_plan_command(commands)
 
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Dispatch a parsed command line."""
     if args.command == "plan":
         return run_plan_command(args)
     if args.command == "convert":
         return _run_convert(args)
     if args.command == "demo":
         _use_fake_cpu_devices()
+        if not _mesh_fits(args.mesh):
+            return 2
         return run_demo(prompt=args.prompt, max_new_tokens=args.max_new_tokens, mesh=args.mesh)
     if args.mesh is not None:
         _use_fake_cpu_devices()
+        if not _mesh_fits(args.mesh):
+            return 2
     return _run_generation(args)
+
+
+def _mesh_fits(spec: str | None) -> bool:
+    """Whether --mesh `spec` (None: the command's default) fits this process's devices; if not, say why."""
+    try:
+        if spec is not None:
+            parse_mesh_spec(spec, jax.device_count())
+    except ValueError as err:
+        print(f"error: --mesh: {err}", file=sys.stderr)
+        return False
+    return True

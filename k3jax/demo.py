@@ -28,14 +28,19 @@ from k3jax.convert import convert
 from k3jax.generate import generate
 from k3jax.pretrained import from_pretrained
 from k3jax.tokenizer import load_tokenizer
+from sharding import parse_mesh_spec
 
 DEMO_MESH = "data=2,expert=2,tensor=2"
 
 
 def run_demo(*, prompt: str = "Kimi K3 in JAX: ", max_new_tokens: int = 24, mesh: str | None = None,
              workdir: Path | None = None) -> int:
-    """Run the four steps; `mesh` defaults to DEMO_MESH on 8 devices, else experts over all devices."""
+    """Run the four steps; `mesh` defaults to DEMO_MESH on 8 devices, else experts over all devices. A
+    mesh that does not fit the devices, or a prompt without tokens, is a ValueError before any work."""
     mesh = mesh or (DEMO_MESH if jax.device_count() == 8 else "expert=-1")
+    parse_mesh_spec(mesh, jax.device_count())
+    if max_new_tokens < 1 or not prompt:
+        raise ValueError(f"expected a non-empty prompt and max_new_tokens >= 1, got {prompt!r} and {max_new_tokens}")
     config = packaged_config("k3_tiny") | {"dtype": "bfloat16"}
 
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:

@@ -6,10 +6,15 @@ id) and `tokenizer_config.json` (special tokens in `added_tokens_decoder`, the `
 beside it). As in Moonshot's `tokenization_kimi.py`: ids past the BPE ranks are 256 reserved
 special tokens, named from `added_tokens_decoder` or `<|reserved_token_{id}|>`, and text is split
 by Kimi's pre-tokenizer regex (Han runs kept apart) before BPE. Files are read locally, never
-fetched, and nothing is unpickled.
+fetched, and nothing is unpickled; a malformed file is an error naming the file and the field or rank.
+
+User text never produces control tokens: `encode` reads special-token strings as ordinary text unless
+told `allow_special=True` (trusted text only), and `apply_chat_template` gives control tokens only to
+the template's own structure, never to a message's contents.
 
     tok = load_tokenizer("path/to/Kimi-K3")          # TiktokenTokenizer, or ByteTokenizer without tiktoken.model
     ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    ids = tok.encode("user text")                     # "<|im_end|>" in it stays text
     text = tok.decode(new_ids)
 
 The fallback `ByteTokenizer` maps text to its UTF-8 bytes, byte value = id (0..255), and back
@@ -48,31 +53,116 @@ _MAX_RUN_CHARS = 25_000
 
 
 def load_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
-    """Parse a tiktoken BPE file: one '<base64 bytes> <rank>' per line (blank lines ignored)."""
+    """Parse a tiktoken BPE file: one '<base64 bytes> <rank>' per line (blank lines ignored). Each token
+    and each rank appears once and the ranks are 0..n-1: anything else would shift the special ids."""
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: byte {raw[err.start]:#04x} at offset {err.start} is not ASCII; expected "
+                         "'<base64 token> <rank>' lines") from None
     ranks: dict[bytes, int] = {}
-    for number, line in enumerate(Path(path).read_text(encoding="ascii").splitlines(), 1):
+    lines: dict[int, int] = {}  # rank -> line number
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            token, rank = line.split()
-            ranks[base64.b64decode(token, validate=True)] = int(rank)
+            token, rank_text = line.split()
+            token_bytes, rank = base64.b64decode(token, validate=True), int(rank_text)
         except ValueError as err:
             raise ValueError(f"{path}:{number}: expected '<base64 token> <rank>', got {line!r}") from err
+        if rank < 0:
+            raise ValueError(f"{path}:{number}: rank {rank} is negative")
+        if rank in lines:
+            raise ValueError(f"{path}:{number}: rank {rank} appears again (first on line {lines[rank]})")
+        if token_bytes in ranks:
+            raise ValueError(f"{path}:{number}: token {token_bytes!r} appears again, with rank {rank} "
+                             f"(first with rank {ranks[token_bytes]})")
+        ranks[token_bytes], lines[rank] = rank, number
+    if len(lines) and max(lines) != len(lines) - 1:
+        missing = next(r for r in range(len(lines)) if r not in lines)
+        raise ValueError(f"{path}: ranks must be 0..{len(lines) - 1} with none missing; rank {missing} is missing "
+                         f"(the largest is {max(lines)})")
     return ranks
 
 
-def _token_name(value: object) -> str | None:
-    """tokenizer_config's token entries are either a string or {'content': ...}."""
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, what: str = "text") -> str:
+    """`text`, or a ValueError if it is not valid Unicode: a lone surrogate, which is how Python passes
+    on bytes that were not UTF-8 (command-line arguments, files read with surrogateescape)."""
+    if not isinstance(text, str):
+        raise TypeError(f"{what}: expected a string, got {type(text).__name__}")
+    bad = _LONE_SURROGATE.search(text)
+    if bad:
+        code = ord(bad.group())
+        detail = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise ValueError(f"{what} is not valid UTF-8: {detail} at character {bad.start()}")
+    return text
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from `path`; an error names the file (and where the JSON breaks)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _token_name(value: object, field: str, path: Path) -> str | None:
+    """tokenizer_config's token entries are a string, {'content': <string>, ...} or null."""
+    content = value.get("content") if isinstance(value, Mapping) else value
+    if content is not None and not isinstance(content, str):
+        raise ValueError(f"{path}: {field}: expected a string or {{\"content\": <string>}}, got {value!r}")
+    return content
+
+
+def _chat_template(config: dict, path: Path) -> str | None:
+    """tokenizer_config's `chat_template`: a string, or HF's [{"name": ..., "template": ...}] form."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        if not all(isinstance(t, Mapping) and isinstance(t.get("template"), str) for t in template):
+            raise ValueError(f"{path}: chat_template: expected a list of {{\"name\", \"template\": <string>}}")
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{path}: chat_template: expected a string or a list, got {type(template).__name__}")
+    return template
+
+
+def _strings(value: object) -> Iterable[str]:
+    """Every string inside nested mappings / lists (the caller's data handed to a chat template)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, (Mapping, list, tuple)):
+        for item in value.values() if isinstance(value, Mapping) else value:
+            yield from _strings(item)
+
+
+def _mask_specials(value: object, pattern: re.Pattern, mark: str, literals: list[str]) -> object:
+    """`value` with each special-token string inside its strings replaced by `mark`<index>`mark`, the
+    text kept in `literals`, so a template cannot turn a message's text into a control token."""
+    if isinstance(value, str):
+        def masked(match: re.Match) -> str:
+            literals.append(match.group())
+            return f"{mark}{len(literals) - 1}{mark}"
+        return pattern.sub(masked, value)
     if isinstance(value, Mapping):
-        return value.get("content")
-    return value if isinstance(value, str) else None
+        return {key: _mask_specials(item, pattern, mark, literals) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mask_specials(item, pattern, mark, literals) for item in value]
+    return value
 
 
 class _ChatTemplateMixin:
     chat_template: str | None
     special_token_names: dict[str, str | None]
+    special_tokens: dict[str, int]
 
-    def encode(self, text: str, *, allow_special: bool = True) -> list[int]:  # pragma: no cover - interface
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:  # pragma: no cover - interface
         raise NotImplementedError
 
     def render_chat(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True, **kwargs) -> str:
@@ -94,8 +184,34 @@ class _ChatTemplateMixin:
     def apply_chat_template(
         self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True, **kwargs
     ) -> list[int]:
-        """Render the chat and encode it, special tokens in the rendered text parsed as such."""
-        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs))
+        """Render the chat and encode it. Special-token strings the template writes are control tokens;
+        the same strings inside the messages (or other template variables) are encoded as plain text."""
+        if "allow_special" in kwargs:
+            raise TypeError("apply_chat_template has no allow_special: message contents are always plain text")
+        if not self.special_tokens:
+            return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs))
+        pattern = re.compile("|".join(re.escape(s) for s in sorted(self.special_tokens, key=len, reverse=True)))
+        data = [messages, kwargs, self.chat_template]
+        # A printable symbol (repr and tojson keep it) that none of the caller's strings contains.
+        mark = next((chr(c) for c in range(0x1F700, 0x1F774) if not any(chr(c) in s for s in _strings(data))), None)
+        if mark is None:
+            raise ValueError("the messages use every alchemical symbol (U+1F700..U+1F773); one must be free")
+        literals: list[str] = []
+        masked_messages = _mask_specials(list(messages), pattern, mark, literals)
+        masked_kwargs = _mask_specials(kwargs, pattern, mark, literals)
+        text = self.render_chat(masked_messages, add_generation_prompt=add_generation_prompt, **masked_kwargs)
+        ids: list[int] = []
+        for k, part in enumerate(re.split(f"{mark}(\\d+){mark}", text)):
+            ids.extend(self.encode(part, allow_special=True) if k % 2 == 0 else self.encode(literals[int(part)]))
+        return ids
+
+    def _check_ids(self, ids: Iterable[int]) -> list[int]:
+        """ids as ints, each one this tokenizer can decode (else a ValueError naming the id)."""
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not self._decodable(i):
+                raise ValueError(f"token id {i} is not in this tokenizer's vocabulary [0, {self.vocab_size})")
+        return ids
 
 
 class TiktokenTokenizer(_ChatTemplateMixin):
@@ -115,6 +231,7 @@ class TiktokenTokenizer(_ChatTemplateMixin):
         self.special_token_names = {
             "bos_token": bos_token, "eos_token": eos_token, "pad_token": pad_token, "unk_token": unk_token,
         }
+        self._special_ids = set(self.special_tokens.values())
         self.bos_id, self.eos_id, self.pad_id = (self.special_tokens.get(t) for t in (bos_token, eos_token, pad_token))
 
     @classmethod
@@ -122,43 +239,54 @@ class TiktokenTokenizer(_ChatTemplateMixin):
         path = Path(path)
         ranks = load_tiktoken_ranks(path / "tiktoken.model")
         config_path = path / "tokenizer_config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
-        added = {int(i): _token_name(v) for i, v in config.get("added_tokens_decoder", {}).items()}
+        config = _read_json(config_path) if config_path.exists() else {}
+        decoder = config.get("added_tokens_decoder", {})
+        if not isinstance(decoder, Mapping):
+            raise ValueError(f"{config_path}: added_tokens_decoder: expected an object of id -> token, "
+                             f"got {type(decoder).__name__}")
+        added = {}
+        for key, value in decoder.items():
+            if not key.isdigit():
+                raise ValueError(f"{config_path}: added_tokens_decoder: key {key!r} is not a token id")
+            added[int(key)] = _token_name(value, f"added_tokens_decoder[{key}]", config_path)
         n = len(ranks)
         special = {added.get(i) or f"<|reserved_token_{i}|>": i for i in range(n, n + NUM_RESERVED_SPECIAL_TOKENS)}
         special.update({name: i for i, name in added.items() if i >= n and name})  # any beyond the reserved block
-        template = config.get("chat_template")
-        if isinstance(template, list):  # HF's named-template form: [{"name": "default", "template": ...}]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template = _chat_template(config, config_path)
         if template is None and (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-        names = {key: _token_name(config.get(key)) for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        names = {key: _token_name(config.get(key), key, config_path)
+                 for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
         return cls(ranks, special, chat_template=template, name=path.name or "kimi", **names)
 
     @property
     def vocab_size(self) -> int:
         return self.encoding.n_vocab
 
-    def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
-        """Text -> ids. Special-token strings in `text` become their ids, or with allow_special=False
-        are encoded as ordinary text."""
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """Text -> ids. Special-token strings in `text` are ordinary text, or with allow_special=True
+        (trusted text, e.g. a chat template's own output) their ids."""
+        check_text(text)
         ids: list[int] = []
         for piece in _split_long(text):
             if allow_special:
                 ids.extend(self.encoding.encode(piece, allowed_special="all"))
             else:
-                ids.extend(self.encoding.encode_ordinary(piece))
+                ids.extend(self.encoding.encode(piece, allowed_special=set(), disallowed_special=()))
         return ids
 
+    def _decodable(self, i: int) -> bool:
+        return 0 <= i < self.num_base_tokens or i in self._special_ids
+
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
-        ids = [int(i) for i in ids]
+        ids = self._check_ids(ids)
         if skip_special_tokens:
             ids = [i for i in ids if i < self.num_base_tokens]
         return self.encoding.decode(ids, errors="replace")
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """Raw bytes (a streamed prefix may end inside a UTF-8 character)."""
-        return self.encoding.decode_bytes([int(i) for i in ids])
+        return self.encoding.decode_bytes(self._check_ids(ids))
 
 
 def _split_long(text: str) -> list[str]:
@@ -181,17 +309,21 @@ def _split_long(text: str) -> list[str]:
 
 
 class ByteTokenizer(_ChatTemplateMixin):
-    """Byte-level fallback: UTF-8 byte b <-> id b (0..255); ids >= 256 are special tokens."""
+    """Byte-level fallback: UTF-8 byte b <-> id b (0..255); ids >= 256 are special tokens (ids below
+    `vocab_size` that have no name decode to nothing)."""
 
     def __init__(
         self, *, bos_id: int | None = None, eos_id: int | None = None, pad_id: int | None = None,
         special_tokens: Mapping[str, int] | None = None, chat_template: str | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.special_tokens = dict(special_tokens or {})
         if any(i < 256 for i in self.special_tokens.values()):
             raise ValueError("ByteTokenizer: ids 0..255 are the bytes; special tokens need ids >= 256")
         self._names = {i: name for name, i in self.special_tokens.items()}
+        self._vocab_size = max([255, (vocab_size or 0) - 1, *(i for i in (bos_id, eos_id, pad_id) if i is not None),
+                                *self.special_tokens.values()]) + 1
         self.chat_template = chat_template
         self.special_token_names = {
             "bos_token": self._names.get(bos_id), "eos_token": self._names.get(eos_id),
@@ -204,10 +336,11 @@ class ByteTokenizer(_ChatTemplateMixin):
 
     @property
     def vocab_size(self) -> int:
-        return max([255, *(i for i in (self.bos_id, self.eos_id, self.pad_id) if i is not None),
-                    *self.special_tokens.values()]) + 1
+        return self._vocab_size
 
-    def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """Text -> its UTF-8 bytes; with allow_special=True (trusted text) named special tokens -> their ids."""
+        check_text(text)
         if not allow_special or self._special_re is None:
             return list(text.encode("utf-8"))
         ids: list[int] = []
@@ -219,10 +352,13 @@ class ByteTokenizer(_ChatTemplateMixin):
         ids.extend(text[last:].encode("utf-8"))
         return ids
 
+    def _decodable(self, i: int) -> bool:
+        return 0 <= i < self._vocab_size
+
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         out, pending = [], bytearray()
-        for i in (int(i) for i in ids):
-            if 0 <= i < 256:
+        for i in self._check_ids(ids):
+            if i < 256:
                 pending.append(i)
                 continue
             name = None if skip_special_tokens else self._names.get(i)
@@ -234,7 +370,7 @@ class ByteTokenizer(_ChatTemplateMixin):
         return "".join(out)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        return bytes(i for i in (int(i) for i in ids) if 0 <= i < 256)
+        return bytes(i for i in self._check_ids(ids) if i < 256)
 
 
 Tokenizer = TiktokenTokenizer | ByteTokenizer
@@ -242,15 +378,22 @@ Tokenizer = TiktokenTokenizer | ByteTokenizer
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     """The checkpoint's tokenizer (`tiktoken.model` in `path`), else the byte-level fallback with the
-    bos / eos / pad ids of `path`/config.json when present."""
+    bos / eos / pad ids and vocab_size of `path`/config.json when present."""
     if path is not None and (Path(path) / "tiktoken.model").exists():
         return TiktokenTokenizer.from_dir(path)
     ids: dict[str, int | None] = {}
     config_path = Path(path) / "config.json" if path is not None else None
     if config_path is not None and config_path.exists():
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config = _read_json(config_path)
         text = config.get("text_config", {})
-        for key in ("bos", "eos", "pad"):
-            value = config.get(f"{key}_token_id", text.get(f"{key}_token_id"))
-            ids[f"{key}_id"] = value if isinstance(value, int) and value >= 256 else None
+        if not isinstance(text, dict):
+            raise ValueError(f"{config_path}: text_config: expected an object, got {type(text).__name__}")
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "vocab_size"):
+            value = config.get(key, text.get(key))
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{config_path}: {key}: expected a non-negative integer or null, got {value!r}")
+            if key == "vocab_size":
+                ids[key] = value
+            else:  # ids below 256 are bytes here, so such a special token has no id in this tokenizer
+                ids[key.removesuffix("_token_id") + "_id"] = value if value is not None and value >= 256 else None
     return ByteTokenizer(**ids)

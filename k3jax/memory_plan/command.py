@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from k3jax.config import ConfigError, K3Config
@@ -14,21 +15,63 @@ from k3jax.memory_plan.report import format_memory_plan
 from k3jax.units import parse_bytes
 from sharding import mesh_device_count
 
+# The planner compiles for fake CPU devices, one per mesh device: beyond this many, starting them takes
+# long and uses much memory, and no K3 deployment needs more (896 experts fit expert=896).
+MAX_PLAN_DEVICES = 1024
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse `type`: an integer >= low, else an error saying what was expected."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _byte_size(text: str) -> int:
+    """--hbm: a positive size such as 141GB."""
+    try:
+        value = parse_bytes(text)
+    except ValueError:
+        value = None
+    if not value:
+        raise argparse.ArgumentTypeError(f"expected a positive byte size such as 141GB or 95GiB, got {text!r}")
+    return value
+
+
+def _plan_mesh(text: str) -> str:
+    """--mesh: explicit axis sizes spanning at most MAX_PLAN_DEVICES devices."""
+    try:
+        devices = mesh_device_count(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if devices > MAX_PLAN_DEVICES:
+        raise argparse.ArgumentTypeError(f"{text!r} spans {devices} devices; the planner fakes at most "
+                                         f"{MAX_PLAN_DEVICES} CPU devices")
+    return text
+
 
 def add_plan_command(commands: argparse._SubParsersAction) -> None:
     pl = commands.add_parser("plan", help="per-device memory of prefill/decode (and a train step) on a mesh: FITS?")
     pl.add_argument("--config", type=Path, required=True, help="config.json (HF release or configs/kimi_k3.json)")
-    pl.add_argument("--mesh", metavar="SPEC", required=True, help="explicit sizes, e.g. expert=64,tensor=8")
-    pl.add_argument("--hbm", default="141GB", help="memory per device: 141GB (H200), 95GB (TPU v5p)")
-    pl.add_argument("--batch", type=int, default=1)
-    pl.add_argument("--max-len", type=int, default=131072, help="cache capacity in tokens")
-    pl.add_argument("--seq-len", type=int, default=4096,
+    pl.add_argument("--mesh", metavar="SPEC", type=_plan_mesh, required=True,
+                    help=f"explicit sizes, e.g. expert=64,tensor=8 (at most {MAX_PLAN_DEVICES} devices)")
+    pl.add_argument("--hbm", type=_byte_size, default="141GB", help="memory per device: 141GB (H200), 95GB (TPU v5p)")
+    pl.add_argument("--batch", type=int_at_least(1), default=1)
+    pl.add_argument("--max-len", type=int_at_least(1), default=131072, help="cache capacity in tokens")
+    pl.add_argument("--seq-len", type=int_at_least(1), default=4096,
                     help="prefill chunk (tokens per prefill call) and train sequence length")
     pl.add_argument("--train", action="store_true", help="also a train step (cross-entropy + adamw; bf16 experts)")
     pl.add_argument("--experts", choices=("mxfp4", "bf16"), default=None,
                     help="routed expert storage (default mxfp4, bf16 with --train)")
-    pl.add_argument("--layers", type=int, default=None,
-                    help="compile at this reduced depth and one scanned group more, extrapolate to full depth")
+    pl.add_argument("--layers", type=int_at_least(2), default=None,
+                    help="compile at this reduced depth (>= 2) and one scanned group more, extrapolate to full "
+                         "depth (full depth when it is not below the model's)")
     pl.add_argument("--cpu-ragged-dot", action="store_true",
                     help="keep the CPU lowering of the MoE grouped GEMMs (a dense per-expert expansion no GPU/TPU "
                          "has) instead of the device-like stand-in")
@@ -36,16 +79,18 @@ def add_plan_command(commands: argparse._SubParsersAction) -> None:
 
 
 def run_plan_command(args: argparse.Namespace) -> int:
-    """Errors in the arguments exit with status 2 and one line. The fake device count is set before
-    anything starts JAX's backend."""
+    """Errors in the arguments exit with status 2 and one line, before any compiling. The fake device
+    count is set before anything starts JAX's backend."""
     try:
-        hbm = parse_bytes(args.hbm)
-        devices = mesh_device_count(args.mesh)
         cfg = K3Config.from_hf(args.config)
     except (ValueError, ConfigError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    layers = args.layers if args.layers is not None and 1 < args.layers < cfg.num_hidden_layers else None
+    if args.json is not None and not args.json.parent.is_dir():
+        print(f"error: --json {args.json}: the folder {args.json.parent} does not exist", file=sys.stderr)
+        return 2
+    hbm, devices = args.hbm, mesh_device_count(args.mesh)
+    layers = args.layers if args.layers is not None and args.layers < cfg.num_hidden_layers else None
     experts = args.experts or ("bf16" if args.train else "mxfp4")
     try:
         ensure_cpu_devices(devices)

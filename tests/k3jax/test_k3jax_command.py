@@ -1,4 +1,4 @@
-"""The `k3jax` command: demo end to end, generate (ids and text, sharded), and clear errors."""
+"""The `k3jax` command: demo end to end, generate (ids and text, sharded, stop tokens), and clear errors."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from k3jax.cli import main
 from tests.conftest import GOLDEN_DIR
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,8 +46,21 @@ def test_generate_text_prompt_on_a_mesh():
     assert run.stdout.startswith("hello") and "mesh expert=8" in run.stderr
 
 
-def test_generate_errors_are_one_line_and_nonzero(tmp_path):
-    run = k3jax("generate", "--model", str(tmp_path), "--prompt", "hi")
-    assert run.returncode == 1 and run.stderr.startswith("error:") and "config.json" in run.stderr
-    run = k3jax("generate", "--model", str(GOLDEN_DIR), "--ids", "1,99999")
-    assert run.returncode == 2 and "outside the vocabulary" in run.stderr
+def test_generate_stop_ends_the_reference_continuation(golden_reference, capsys):
+    """In-process, the real model: --stop TOKEN ends the greedy continuation at its first occurrence."""
+    reference = golden_reference("generate_fp32")
+    new_ids = [int(i) for i in reference["new_ids"][0]]
+    stop = new_ids[3]
+    prompt = ",".join(map(str, reference["prompt_ids"][0]))
+    assert main(["generate", "--model", str(GOLDEN_DIR), "--ids", prompt, "--max-new-tokens", "12",
+                 "--dtype", "float32", "--stop", str(stop)]) == 0
+    ids_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ids: "))
+    assert eval(ids_line.removeprefix("ids: ")) == new_ids[: new_ids.index(stop) + 1]
+
+
+def test_generate_errors_are_one_line_and_nonzero(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "config.json" in err
+    assert main(["generate", "--model", str(GOLDEN_DIR), "--ids", "1,99999"]) == 2
+    assert "outside the vocabulary" in capsys.readouterr().err

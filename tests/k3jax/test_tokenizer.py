@@ -72,14 +72,16 @@ def test_encode_decode_round_trip(kimi_dir):
 
 
 def test_special_tokens_in_text(kimi_dir):
+    """Special-token strings are control tokens only in trusted text (allow_special=True); by default
+    they are ordinary text."""
     tok = load_tokenizer(kimi_dir[0])
     n = kimi_dir[1]
-    ids = tok.encode("[BOS]hello<|im_end|>")
+    ids = tok.encode("[BOS]hello<|im_end|>", allow_special=True)
     assert ids == [n, 256 + MERGES.index(b"hello"), n + 3]
     assert tok.decode(ids) == "[BOS]hello<|im_end|>"
     assert tok.decode(ids, skip_special_tokens=True) == "hello"
-    plain = tok.encode("[BOS]hello", allow_special=False)
-    assert n not in plain and tok.decode(plain) == "[BOS]hello"
+    plain = tok.encode("[BOS]hello")
+    assert all(i < n for i in plain) and tok.decode(plain) == "[BOS]hello"
 
 
 def test_chat_template(kimi_dir):
@@ -91,6 +93,7 @@ def test_chat_template(kimi_dir):
                     "<|im_assistant|>assistant<|im_middle|>")
     ids = tok.apply_chat_template(messages)
     assert ids[0] == n + 7 and ids[-1] == n + 8 and ids.count(n + 3) == 2
+    assert ids == tok.encode(text, allow_special=True)  # no injected text: the rendered chat, encoded whole
     assert tok.decode(ids) == text
     assert not tok.render_chat(messages, add_generation_prompt=False).endswith("<|im_middle|>")
 
