@@ -228,13 +228,16 @@ def generate(
 
     input_ids: int32 [B, T]; with `prompt_lengths` [B] (or `attention_mask` [B, T], 1 = real token)
         the prompts are LEFT-padded to T (`left_pad`); each row then generates what it would alone.
-    temperature / top_k / top_p: see `k3jax.sampling`; `seed` makes sampling reproducible.
+        A row that ends in pad_token_id where its real tokens should be (right padding) is an error.
+    temperature / top_k / top_p: see `k3jax.sampling`; `seed` (an integer in [0, 2**32 - 1]) makes
+        sampling reproducible.
     stop_tokens: once a row emits one of these, it emits `pad_token_id` (default: the config's, else
         0) afterwards; the loop still runs for max_new_tokens steps unless streaming.
     capacity: the cache size; it must hold the prompt and every generated token but the last
         (T + max_new_tokens - 1), which is also the default.
     on_token: called with each step's tokens (numpy int32 [B]) as they are produced, in order.
     return_lengths: return GenerateOutput(tokens, lengths) with the per-row generated lengths.
+    Every argument is checked before anything compiles; a bad one is a ValueError that names it.
     """
     vocab = model.config.vocab_size
     ids = check_input_ids(input_ids, model.config)
@@ -242,9 +245,8 @@ def generate(
     params = SamplingParams(temperature, top_k, top_p)
     seed = _check_int("seed", seed, 0, 2**32 - 1)  # jax.random.key wraps larger seeds
     needed = ids.shape[1] + max_new_tokens - 1
-    if capacity is None:
-        capacity = needed
-    elif needed > _check_int("capacity", capacity, 1):
+    capacity = needed if capacity is None else _check_int("capacity", capacity, 1)
+    if needed > capacity:
         raise ValueError(
             f"the prompt ({ids.shape[1]} tokens) and max_new_tokens={max_new_tokens} need a cache of "
             f"{needed} tokens (the last new token is not cached), but capacity={capacity}"
