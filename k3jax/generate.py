@@ -41,17 +41,6 @@ class GenerateOutput(NamedTuple):
     lengths: jax.Array  # int32 [B]: tokens generated per row, its stop token included
 
 
-def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple[jax.Array, jax.Array]:
-    """Token lists of different lengths -> (input_ids int32 [B, max_len] left-padded, lengths int32 [B])."""
-    if not sequences or any(len(s) == 0 for s in sequences):
-        raise ValueError("left_pad: expected at least one sequence, none of them empty")
-    width = max(len(s) for s in sequences)
-    ids = np.full((len(sequences), width), pad_token_id, np.int32)
-    for b, s in enumerate(sequences):
-        ids[b, width - len(s):] = np.asarray(s, np.int32)
-    return jnp.asarray(ids), jnp.asarray([len(s) for s in sequences], jnp.int32)
-
-
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
     """`value` as a Python int in [low, high]; bools and floats (2.5, 3.0 alike) are errors, not truncated."""
     if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.integer):
@@ -62,6 +51,28 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> i
         expected = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
         raise ValueError(f"{name}={value!r}: expected {expected}")
     return int(value)
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Token lists of different lengths -> (input_ids int32 [B, max_len] left-padded, lengths int32 [B]).
+
+    The ids are checked before the int32 cast (floats and ids outside [0, 2**31) are errors); the
+    vocabulary range is checked where the ids enter the model."""
+    if not sequences or any(len(s) == 0 for s in sequences):
+        raise ValueError("left_pad: expected at least one sequence, none of them empty")
+    pad_token_id = _check_int("pad_token_id", pad_token_id, 0, 2**31 - 1)
+    rows = [np.asarray(s) for s in sequences]
+    for b, row in enumerate(rows):
+        if row.ndim != 1 or not np.issubdtype(row.dtype, np.integer):
+            raise ValueError(f"left_pad: sequence {b} must be a list of integer token ids; got {row.dtype} {row.shape}")
+        if row.min() < 0 or row.max() > 2**31 - 1:
+            raise ValueError(f"left_pad: sequence {b} has ids in [{row.min()}, {row.max()}]; expected ids >= 0 "
+                             "that fit int32")
+    width = max(len(row) for row in rows)
+    ids = np.full((len(rows), width), pad_token_id, np.int32)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):] = row
+    return jnp.asarray(ids), jnp.asarray([len(row) for row in rows], jnp.int32)
 
 
 def _check_token(name: str, value: object, vocab_size: int) -> int:
@@ -77,7 +88,10 @@ def _pad_start(ids: jax.Array, pad_token_id: int, prompt_lengths=None, attention
     if attention_mask is not None:
         if prompt_lengths is not None:
             raise ValueError("give prompt_lengths or attention_mask, not both")
-        mask = np.asarray(attention_mask).astype(bool)
+        raw = np.asarray(attention_mask)
+        if raw.dtype != bool and not np.isin(raw, (0, 1)).all():
+            raise ValueError(f"attention_mask must hold 0 (pad) and 1 (real token) only; got {np.unique(raw)[:8]}")
+        mask = raw.astype(bool)
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask must have the shape of input_ids {ids.shape}; got {mask.shape}")
         if np.any(mask[:, :-1] & ~mask[:, 1:]):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import k3jax
-from k3jax.generate import decode_step, generate, prefill
+from k3jax.generate import decode_step, generate, left_pad, prefill
 
 gen = importlib.import_module("k3jax.generate")  # the module: the package exports the function `generate`
 model_module = importlib.import_module("k3jax.model")
@@ -155,6 +155,9 @@ BAD_SETTINGS = {  # case -> (generate keyword arguments, regex)
                                  r"row 1 looks RIGHT-padded: its last 2 tokens are pad_token_id=0"),
     "right-padded under a mask": (dict(input_ids=[[5, 6, 7], [8, 9, PAD]], prompt_lengths=None,
                                        attention_mask=[[1, 1, 1], [0, 1, 1]]), r"row 1 looks RIGHT-padded"),
+    "mask of 0.5": (dict(prompt_lengths=None, attention_mask=[[1, 1, 1], [0.5, 1, 1]]),
+                    r"attention_mask must hold 0 \(pad\) and 1 \(real token\) only"),
+    "mask of 2": (dict(prompt_lengths=None, attention_mask=[[1, 1, 1], [0, 2, 1]]), r"attention_mask must hold 0"),
 }
 
 
@@ -168,6 +171,30 @@ def test_bad_generate_settings(golden_model_fp32, compiled, case):
         generate(golden_model_fp32, PROMPT if "input_ids" not in BAD_SETTINGS[case][0] else
                  BAD_SETTINGS[case][0]["input_ids"], on_token=lambda t: None, **kwargs)
     assert not compiled.generate
+
+
+BAD_LEFT_PAD = {  # case -> (sequences, pad_token_id, regex)
+    "float id": ([[1, 2], [3.7]], 0, r"left_pad: sequence 1 must be a list of integer token ids; got float64"),
+    "id 2**32+5": ([[2**32 + 5]], 0, r"left_pad: sequence 0 has ids in \[4294967301, 4294967301\]; expected ids >= 0"),
+    "negative id": ([[1, -2]], 0, r"left_pad: sequence 0 has ids in \[-2, 1\]"),
+    "nested": ([[[1, 2]]], 0, r"left_pad: sequence 0 must be a list of integer token ids; got int64 \(1, 2\)"),
+    "pad id -1": ([[1]], -1, r"pad_token_id=-1: expected an integer in \[0, 2147483647\]"),
+    "pad id 1.5": ([[1]], 1.5, r"pad_token_id=1\.5: expected an integer"),
+    "no sequence": ([], 0, r"left_pad: expected at least one sequence"),
+    "an empty sequence": ([[1], []], 0, r"none of them empty"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LEFT_PAD)
+def test_left_pad_checks_before_the_int32_cast(case):
+    sequences, pad, message = BAD_LEFT_PAD[case]
+    with pytest.raises(ValueError, match=message):
+        left_pad(sequences, pad)
+
+
+def test_left_pad_valid_edge_ids():
+    ids, lengths = left_pad([np.array([2**31 - 1], np.int64), [0, 1]], pad_token_id=np.int64(7))
+    assert ids.dtype == jnp.int32 and ids.tolist() == [[7, 2**31 - 1], [0, 1]] and lengths.tolist() == [1, 2]
 
 
 def test_prefill_checks_padding_and_capacity(golden_model_fp32, compiled):
