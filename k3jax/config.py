@@ -174,9 +174,11 @@ class _Reader:
         make every logit NaN or meaningless, so they are rejected here."""
         value = self._raw(key, _REQUIRED if default is None else default)
         test, expected = _FLOAT_RULES[rule]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not test(value):
+        # An integer beyond the float range (JSON allows 1 followed by 400 digits) counts as not finite.
+        number = float(value) if isinstance(value, (int, float)) and abs(value) <= 1e308 else math.inf
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(number) and test(number)):
             raise ConfigError(f"config key {self.prefix}.{key}={value!r}: expected {expected}")
-        return float(value)
+        return number
 
     def bool(self, key: str, default: Any = None) -> bool:
         value = self._raw(key, _REQUIRED if default is None else default)

@@ -33,6 +33,8 @@ BAD = {  # case -> (mutation of the golden config, regex the ConfigError must ma
     "eps 0": (_text("rms_norm_eps", 0.0), r"text_config\.rms_norm_eps=0\.0: expected a finite number > 0"),
     "eps nan": (_text("rms_norm_eps", math.nan), r"text_config\.rms_norm_eps=nan: expected a finite"),
     "eps inf": (_text("rms_norm_eps", math.inf), r"text_config\.rms_norm_eps=inf: expected a finite"),
+    "scaling 10**400": (_text("routed_scaling_factor", 10**400),
+                        r"text_config\.routed_scaling_factor=1000.*: expected a finite"),
     "scaling nan": (_text("routed_scaling_factor", math.nan), r"text_config\.routed_scaling_factor=nan"),
     "scaling 0": (_text("routed_scaling_factor", 0), r"text_config\.routed_scaling_factor=0: expected a finite"),
     "situ beta -4": (_text("activation_situ_beta", -4.0), r"text_config\.activation_situ_beta=-4\.0: expected"),

@@ -46,8 +46,8 @@ def compiled(monkeypatch):
 # ---- token ids: checked before any cast, wherever they enter ----------------------------------------
 
 BAD_IDS = {  # case -> (ids [B, T], regex)
-    "int64 2**32+5 would wrap to 5": (np.array([[1, 2**32 + 5]], np.int64), r"input_ids must lie in \[0, vocab_size=512\); "
-                                                                             r"got values in \[1, 4294967301\]"),
+    "int64 2**32+5 would wrap to 5": (np.array([[1, 2**32 + 5]], np.int64),
+                                      r"input_ids must lie in \[0, vocab_size=512\); got values in \[1, 4294967301\]"),
     "uint64 2**63": (np.array([[2**63]], np.uint64), r"got values in \[9223372036854775808, 9223372036854775808\]"),
     "python int 2**70": ([[1, 2**70]], r"input_ids must be an integer array \[batch, seq\]; got object"),
     "float 3.7": (np.array([[3.7]]), r"input_ids must be an integer array \[batch, seq\]; got float64"),
@@ -224,7 +224,7 @@ def test_valid_edge_settings_reach_the_program(golden_model_fp32, compiled, case
     _, ids, start, _, stop, pad = call.args
     assert ids.dtype == jnp.int32 and start.tolist() == [3 - n for n in kwargs["prompt_lengths"]]
     expected_stop = [int(t) for t in kwargs.get("stop_tokens", [])]
-    assert stop.tolist()[: len(expected_stop)] == expected_stop and all(t == -1 for t in stop.tolist()[len(expected_stop):])
+    assert stop.tolist() == expected_stop + [-1] * (8 - len(expected_stop))
     assert int(pad) == int(kwargs.get("pad_token_id", PAD))
     assert call.kwargs["max_new_tokens"] == 2 and type(call.kwargs["max_new_tokens"]) is int
 
