@@ -174,9 +174,10 @@ class _Reader:
         make every logit NaN or meaningless, so they are rejected here."""
         value = self._raw(key, _REQUIRED if default is None else default)
         test, expected = _FLOAT_RULES[rule]
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
         # An integer beyond the float range (JSON allows 1 followed by 400 digits) counts as not finite.
-        number = float(value) if isinstance(value, (int, float)) and abs(value) <= 1e308 else math.inf
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(number) and test(number)):
+        number = float(value) if is_number and abs(value) <= 1e308 else math.inf
+        if not (is_number and math.isfinite(number) and test(number)):
             raise ConfigError(f"config key {self.prefix}.{key}={value!r}: expected {expected}")
         return number
 
