@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +22,12 @@ MLA_LOW_RANK_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use KimiRMSNorm's
 L2_NORM_EPS = 1e-6  # KDA q/k L2 norm: x * rsqrt(sum(x^2) + eps).
 
 _SUPPORTED_DTYPES = ("bfloat16", "float32", "float16")
+_MXFP4_BLOCK = 32  # elements per E8M0 scale of an MXFP4-packed weight (the release's routed experts)
+_FLOAT_RULES = {  # rule name -> (test of a finite value, what the error says is expected)
+    "positive": (lambda v: v > 0, "a finite number > 0"),
+    "non-negative": (lambda v: v >= 0, "a finite number >= 0"),
+    "negative": (lambda v: v < 0, "a finite negative number"),
+}
 
 
 class ConfigError(ValueError):
@@ -81,6 +88,16 @@ class K3Config:
             raise ConfigError(
                 f"num_experts_per_token={self.num_experts_per_token} must be in [1, num_experts={self.num_experts}]"
             )
+        if self.attn_res_block_size < 1:
+            raise ConfigError(f"attn_res_block_size={self.attn_res_block_size}: expected an integer >= 1")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size
+            ):
+                raise ConfigError(
+                    f"{name}={value!r}: expected null or one integer token id in [0, vocab_size={self.vocab_size})"
+                )
 
     # ---- derived quantities -------------------------------------------------------------
     @property
@@ -152,11 +169,17 @@ class _Reader:
             raise ConfigError(f"config key {self.prefix}.{key}={value!r}: expected an integer >= {minimum}")
         return value
 
-    def float(self, key: str, default: Any = None) -> float:
+    def float(self, key: str, default: Any = None, *, rule: str = "positive") -> float:
+        """A finite number obeying `rule` (a key of _FLOAT_RULES): NaN, inf or a wrong sign would
+        make every logit NaN or meaningless, so they are rejected here."""
         value = self._raw(key, _REQUIRED if default is None else default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"config key {self.prefix}.{key}={value!r}: expected a number")
-        return float(value)
+        test, expected = _FLOAT_RULES[rule]
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        # An integer beyond the float range (JSON allows 1 followed by 400 digits) counts as not finite.
+        number = float(value) if is_number and abs(value) <= 1e308 else math.inf
+        if not (is_number and math.isfinite(number) and test(number)):
+            raise ConfigError(f"config key {self.prefix}.{key}={value!r}: expected {expected}")
+        return number
 
     def bool(self, key: str, default: Any = None) -> bool:
         value = self._raw(key, _REQUIRED if default is None else default)
@@ -206,6 +229,29 @@ def _mixer_kinds(linear: _Reader, num_layers: int) -> tuple[MixerKind, ...]:
     return tuple("kda" if i + 1 in lists["kda_layers"] else "mla" for i in range(num_layers))
 
 
+def _check_depth_keys(r: _Reader, num_layers: int) -> None:
+    """Keys counted in layers must fit the depth (a block or dense prefix longer than the model is a typo)."""
+    for key in ("first_k_dense_replace", "attn_res_block_size"):
+        value = r.int(key, minimum=0 if key == "first_k_dense_replace" else 1)
+        if value > num_layers:
+            raise ConfigError(
+                f"config key {r.prefix}.{key}={value}: expected at most num_hidden_layers={num_layers}"
+            )
+
+
+def _check_mxfp4_widths(r: _Reader, quantization: Any) -> None:
+    """MXFP4-packed routed experts scale blocks of 32 inputs: their input widths must be multiples of 32."""
+    if not isinstance(quantization, dict) or "mxfp4" not in str(quantization.get("format", "")):
+        return
+    for key in ("routed_expert_hidden_size", "moe_intermediate_size"):
+        value = r.int(key)
+        if value % _MXFP4_BLOCK:
+            raise ConfigError(
+                f"config key {r.prefix}.{key}={value}: the MXFP4-quantized routed experts need a multiple of "
+                f"{_MXFP4_BLOCK}"
+            )
+
+
 def _parse_text_config(text: dict[str, Any], top: dict[str, Any]) -> K3Config:
     r = _Reader(text, "text_config" if text is not top else "config")
     linear = r.sub("linear_attn_config")
@@ -228,14 +274,19 @@ def _parse_text_config(text: dict[str, Any], top: dict[str, Any]) -> K3Config:
                 f"config keys {r.prefix}.topk_group/num_expert_group: group-limited routing is not supported "
                 "(K3 uses one group); expected topk_group == num_expert_group"
             )
+        if num_experts % groups:
+            raise ConfigError(
+                f"config key {r.prefix}.num_expert_group={groups}: expected a divisor of num_experts={num_experts}"
+            )
     heads = r.int("num_attention_heads")
     if r.int("num_key_value_heads", default=heads) != heads:
         raise ConfigError(f"config key {r.prefix}.num_key_value_heads must equal num_attention_heads for MLA")
-    lower_bound = linear.float("gate_lower_bound")
-    if not lower_bound < 0:
-        raise ConfigError(f"config key {linear.prefix}.gate_lower_bound={lower_bound}: expected a negative number")
-    linear_beta = r.float("activation_situ_linear_beta", default=0.0) or None  # absent, null or 0: no up cap
+    lower_bound = linear.float("gate_lower_bound", rule="negative")
+    # absent, null or 0: no cap on the up projection
+    linear_beta = r.float("activation_situ_linear_beta", default=0.0, rule="non-negative") or None
     dtype = top.get("dtype", top.get("torch_dtype", text.get("dtype", "bfloat16")))
+    _check_depth_keys(r, num_layers)
+    _check_mxfp4_widths(r, text.get("quantization_config", top.get("quantization_config")))
 
     return K3Config(
         vocab_size=r.int("vocab_size"),

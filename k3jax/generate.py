@@ -25,7 +25,7 @@ return the same tokens.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -41,24 +41,57 @@ class GenerateOutput(NamedTuple):
     lengths: jax.Array  # int32 [B]: tokens generated per row, its stop token included
 
 
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    """`value` as a Python int in [low, high]; bools and floats (2.5, 3.0 alike) are errors, not truncated."""
+    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.integer):
+        value = value.item()  # a 0-d integer array, e.g. one element of a token-id array
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low or (
+        high is not None and value > high
+    ):
+        expected = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        raise ValueError(f"{name}={value!r}: expected {expected}")
+    return int(value)
+
+
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple[jax.Array, jax.Array]:
-    """Token lists of different lengths -> (input_ids int32 [B, max_len] left-padded, lengths int32 [B])."""
+    """Token lists of different lengths -> (input_ids int32 [B, max_len] left-padded, lengths int32 [B]).
+
+    The ids are checked before the int32 cast (floats and ids outside [0, 2**31) are errors); the
+    vocabulary range is checked where the ids enter the model."""
     if not sequences or any(len(s) == 0 for s in sequences):
         raise ValueError("left_pad: expected at least one sequence, none of them empty")
-    width = max(len(s) for s in sequences)
-    ids = np.full((len(sequences), width), pad_token_id, np.int32)
-    for b, s in enumerate(sequences):
-        ids[b, width - len(s):] = np.asarray(s, np.int32)
-    return jnp.asarray(ids), jnp.asarray([len(s) for s in sequences], jnp.int32)
+    pad_token_id = _check_int("pad_token_id", pad_token_id, 0, 2**31 - 1)
+    rows = [np.asarray(s) for s in sequences]
+    for b, row in enumerate(rows):
+        if row.ndim != 1 or not np.issubdtype(row.dtype, np.integer):
+            raise ValueError(f"left_pad: sequence {b} must be a list of integer token ids; got {row.dtype} {row.shape}")
+        if row.min() < 0 or row.max() > 2**31 - 1:
+            raise ValueError(f"left_pad: sequence {b} has ids in [{row.min()}, {row.max()}]; expected ids >= 0 "
+                             "that fit int32")
+    width = max(len(row) for row in rows)
+    ids = np.full((len(rows), width), pad_token_id, np.int32)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):] = row
+    return jnp.asarray(ids), jnp.asarray([len(row) for row in rows], jnp.int32)
 
 
-def _pad_start(ids: jax.Array, prompt_lengths=None, attention_mask=None) -> jax.Array | None:
+def _check_token(name: str, value: object, vocab_size: int) -> int:
+    return _check_int(name, value, 0, vocab_size - 1)
+
+
+def _pad_start(ids: jax.Array, pad_token_id: int, prompt_lengths=None, attention_mask=None) -> jax.Array | None:
     """int32 [B] first real position of each row, from the prompt lengths or a left-padding
-    attention mask [B, T] (1 = real token); None: no padding."""
+    attention mask [B, T] (1 = real token); None: no padding.
+
+    A padded row whose last T - length tokens are all `pad_token_id` (and whose first ones are not)
+    was right-padded: its real tokens would be read from the wrong end, so it is an error."""
     if attention_mask is not None:
         if prompt_lengths is not None:
             raise ValueError("give prompt_lengths or attention_mask, not both")
-        mask = np.asarray(attention_mask).astype(bool)
+        raw = np.asarray(attention_mask)
+        if raw.dtype != bool and not np.isin(raw, (0, 1)).all():
+            raise ValueError(f"attention_mask must hold 0 (pad) and 1 (real token) only; got {np.unique(raw)[:8]}")
+        mask = raw.astype(bool)
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask must have the shape of input_ids {ids.shape}; got {mask.shape}")
         if np.any(mask[:, :-1] & ~mask[:, 1:]):
@@ -71,7 +104,29 @@ def _pad_start(ids: jax.Array, prompt_lengths=None, attention_mask=None) -> jax.
         raise ValueError(f"prompt_lengths must be integers [batch={ids.shape[0]}]; got {lengths.dtype} {lengths.shape}")
     if lengths.min() < 1 or lengths.max() > ids.shape[1]:
         raise ValueError(f"prompt_lengths must lie in [1, {ids.shape[1]}] (the padded prompt width); got {lengths}")
+    host = np.asarray(ids)
+    for b, length in enumerate(lengths.tolist()):
+        pads = host.shape[1] - length
+        if pads and np.all(host[b, length:] == pad_token_id) and not np.all(host[b, :pads] == pad_token_id):
+            raise ValueError(
+                f"input_ids row {b} looks RIGHT-padded: its last {pads} tokens are pad_token_id={pad_token_id} "
+                f"where prompt_lengths[{b}]={length} puts real tokens; expected the prompt right-aligned after "
+                "its padding (LEFT padding, see left_pad)"
+            )
     return jnp.asarray(ids.shape[1] - lengths, jnp.int32)
+
+
+def _default_pad(model: K3Model) -> int:
+    return model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+
+def _cache_batch(cache: ModelCache) -> int:
+    """The batch size the cache was made for (the group caches carry a leading layer axis)."""
+    if cache.start is not None:
+        return cache.start.shape[0]
+    for layer_cache in (*cache.head, *cache.tail):
+        return jax.tree.leaves(layer_cache)[0].shape[0]
+    return jax.tree.leaves(cache.groups)[0].shape[1]
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",))
@@ -93,10 +148,10 @@ def prefill(
     the padding, so later `decode_step`s keep the pads masked. Logits at pad positions are meaningless.
     """
     ids = check_input_ids(input_ids, model.config)
-    capacity = capacity if capacity is not None else ids.shape[1]
+    capacity = ids.shape[1] if capacity is None else _check_int("capacity", capacity, 1)
     if capacity < ids.shape[1]:
         raise ValueError(f"capacity={capacity} is smaller than the prompt length {ids.shape[1]}")
-    return _prefill(model, ids, capacity, _pad_start(ids, prompt_lengths, attention_mask))
+    return _prefill(model, ids, capacity, _pad_start(ids, _default_pad(model), prompt_lengths, attention_mask))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -108,14 +163,15 @@ def _decode_step(model: K3Model, cache: ModelCache, tokens: jax.Array) -> tuple[
 def decode_step(model: K3Model, cache: ModelCache, tokens: jax.Array) -> tuple[jax.Array, ModelCache]:
     """Append one token per sequence (int32 [B]); returns (logits [B, vocab] fp32, updated cache).
 
+    The tokens are checked like `generate`'s prompt (integers in the vocabulary, one per cached row).
     The cache passed in is donated (its buffers are reused); use the returned one.
     """
-    tokens = jnp.asarray(tokens)
-    if tokens.ndim != 1:
-        raise ValueError(f"tokens must be int32 [batch]; got shape {tokens.shape}")
+    tokens = check_input_ids(tokens, model.config, name="tokens", ndim=1)
+    if tokens.shape[0] != _cache_batch(cache):
+        raise ValueError(f"tokens has batch {tokens.shape[0]} but the cache holds batch {_cache_batch(cache)}")
     if int(cache.length) >= cache.capacity:
         raise ValueError(f"the cache is full: it holds {cache.capacity} tokens; prefill with a larger capacity")
-    return _decode_step(model, cache, tokens.astype(jnp.int32))
+    return _decode_step(model, cache, tokens)
 
 
 def _select(
@@ -186,31 +242,35 @@ def generate(
 
     input_ids: int32 [B, T]; with `prompt_lengths` [B] (or `attention_mask` [B, T], 1 = real token)
         the prompts are LEFT-padded to T (`left_pad`); each row then generates what it would alone.
-    temperature / top_k / top_p: see `k3jax.sampling`; `seed` makes sampling reproducible.
+        A row that ends in pad_token_id where its real tokens should be (right padding) is an error.
+    temperature / top_k / top_p: see `k3jax.sampling`; `seed` (an integer in [0, 2**32 - 1]) makes
+        sampling reproducible.
     stop_tokens: once a row emits one of these, it emits `pad_token_id` (default: the config's, else
         0) afterwards; the loop still runs for max_new_tokens steps unless streaming.
     capacity: the cache size; it must hold the prompt and every generated token but the last
         (T + max_new_tokens - 1), which is also the default.
     on_token: called with each step's tokens (numpy int32 [B]) as they are produced, in order.
     return_lengths: return GenerateOutput(tokens, lengths) with the per-row generated lengths.
+    Every argument is checked before anything compiles; a bad one is a ValueError that names it.
     """
+    vocab = model.config.vocab_size
     ids = check_input_ids(input_ids, model.config)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: expected at least 1")
-    params = SamplingParams(float(temperature), top_k, top_p)
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+    params = SamplingParams(temperature, top_k, top_p)
+    seed = _check_int("seed", seed, 0, 2**32 - 1)  # jax.random.key wraps larger seeds
     needed = ids.shape[1] + max_new_tokens - 1
-    if capacity is None:
-        capacity = needed
-    elif needed > capacity:
+    capacity = needed if capacity is None else _check_int("capacity", capacity, 1)
+    if needed > capacity:
         raise ValueError(
             f"the prompt ({ids.shape[1]} tokens) and max_new_tokens={max_new_tokens} need a cache of "
             f"{needed} tokens (the last new token is not cached), but capacity={capacity}"
         )
-    start = _pad_start(ids, prompt_lengths, attention_mask)
-    if pad_token_id is None:
-        pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    pad_token_id = _default_pad(model) if pad_token_id is None else _check_token("pad_token_id", pad_token_id, vocab)
+    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Iterable):
+        raise ValueError(f"stop_tokens={stop_tokens!r}: expected a sequence of token ids")
+    stop_list = [_check_token(f"stop_tokens[{i}]", t, vocab) for i, t in enumerate(stop_tokens)]
+    start = _pad_start(ids, pad_token_id, prompt_lengths, attention_mask)
     # Padded with -1 to a multiple of 8 entries, so up to 8 stop tokens share one compiled program.
-    stop_list = [int(t) for t in stop_tokens]
     stop = jnp.asarray(stop_list + [-1] * (-len(stop_list) % 8 or (8 if not stop_list else 0)), jnp.int32)
     args = (model, ids, start, jax.random.key(seed), stop, jnp.asarray(pad_token_id, jnp.int32))
     if on_token is None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from k3jax.config import K3Config
@@ -134,7 +135,7 @@ class K3Model(nnx.Module):
     # ---- forward ------------------------------------------------------------------------
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         """int32 [B, T] -> float32 logits [B, T, vocab]."""
-        return forward(self, check_input_ids(input_ids, self.config)).logits
+        return forward(self, input_ids).logits
 
     def empty_cache(self, batch: int, capacity: int) -> ModelCache:
         dtype = jnp.dtype(self.config.dtype)
@@ -151,18 +152,26 @@ class K3Model(nnx.Module):
         )
 
 
-def check_input_ids(input_ids: jax.Array, cfg: K3Config) -> jax.Array:
-    """int32 [B, T] token ids; out-of-vocabulary ids are an error (the embedding lookup would clamp them)."""
-    ids = jnp.asarray(input_ids)
-    if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ValueError(f"input_ids must be an integer array [batch, seq]; got {ids.dtype} {ids.shape}")
-    if ids.shape[1] == 0:
-        raise ValueError("input_ids has no tokens (shape [batch, 0])")
-    if not isinstance(ids, jax.core.Tracer) and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
-        raise ValueError(
-            f"input_ids must lie in [0, vocab_size={cfg.vocab_size}); got values in [{int(ids.min())}, {int(ids.max())}]"
-        )
-    return ids.astype(jnp.int32)
+def check_input_ids(input_ids: Any, cfg: K3Config, *, name: str = "input_ids", ndim: int = 2) -> jax.Array:
+    """Token ids as int32: [batch, seq], or [batch] (`ndim` 1) for one decode step.
+
+    Checked before any cast, which would wrap wide ids (int64 2**32 + 5 -> 5) or truncate floats
+    (3.7 -> 3); ids outside the vocabulary are an error (the embedding lookup would clamp them).
+    Traced ids are checked for shape and dtype only.
+    """
+    ids = input_ids if isinstance(input_ids, jax.Array) else np.asarray(input_ids)
+    layout = "[batch, seq]" if ndim == 2 else "[batch]"
+    if ids.ndim != ndim or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array {layout}; got {ids.dtype} {ids.shape}")
+    if ids.shape[0] == 0:
+        raise ValueError(f"{name} has an empty batch (shape {ids.shape}): expected at least one row")
+    if ndim == 2 and ids.shape[1] == 0:
+        raise ValueError(f"{name} has no tokens (shape {ids.shape}): expected at least one per row")
+    if not isinstance(ids, jax.core.Tracer):
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= cfg.vocab_size:
+            raise ValueError(f"{name} must lie in [0, vocab_size={cfg.vocab_size}); got values in [{low}, {high}]")
+    return jnp.asarray(ids, jnp.int32)
 
 
 def run_model(
@@ -225,8 +234,13 @@ def run_model(
     return out, new_cache
 
 
-@functools.partial(jax.jit, static_argnames=("collect_taps",))
 def forward(model: K3Model, input_ids: jax.Array, *, collect_taps: bool = False) -> ForwardOutput:
-    """Jitted forward without a cache (training, scoring, teacher-forced checks)."""
+    """Forward without a cache (training, scoring, teacher-forced checks); the ids are checked, then
+    the pass runs jitted."""
+    return _forward(model, check_input_ids(input_ids, model.config), collect_taps=collect_taps)
+
+
+@functools.partial(jax.jit, static_argnames=("collect_taps",))
+def _forward(model: K3Model, input_ids: jax.Array, *, collect_taps: bool = False) -> ForwardOutput:
     return run_model(model, input_ids, collect_taps=collect_taps)[0]
 

@@ -18,8 +18,14 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 F32 = jnp.float32
+
+
+def _is_real(value: object) -> bool:
+    """A Python or numpy int / float, not a bool (True would pass for 1)."""
+    return not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
 
 
 @dataclass(frozen=True)
@@ -31,12 +37,19 @@ class SamplingParams:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature}: expected >= 0 (0 is greedy)")
-        if self.top_k is not None and (int(self.top_k) != self.top_k or self.top_k < 1):
-            raise ValueError(f"top_k={self.top_k}: expected a positive integer or None")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: expected 0 < top_p <= 1 or None")
+        """Check the settings before any cast (NaN, bools and fractional top_k are errors) and store
+        them as Python float / int, so equal settings hash alike and share one compiled program."""
+        if not _is_real(self.temperature) or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature={self.temperature!r}: expected a finite number >= 0 (0 is greedy)")
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 1
+        ):
+            raise ValueError(f"top_k={self.top_k!r}: expected a positive integer or None")
+        if self.top_p is not None and (not _is_real(self.top_p) or not 0 < self.top_p <= 1):
+            raise ValueError(f"top_p={self.top_p!r}: expected 0 < top_p <= 1 or None")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_k", None if self.top_k is None else int(self.top_k))
+        object.__setattr__(self, "top_p", None if self.top_p is None else float(self.top_p))
 
     @property
     def greedy(self) -> bool:
@@ -91,9 +104,10 @@ def sample(
     params = SamplingParams(temperature, top_k, top_p)  # validates
     if params.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    filtered = sampling_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    filtered = sampling_logits(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
     return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
 
 
 def sample_with(params: SamplingParams, logits: jax.Array, key: jax.Array) -> jax.Array:
+    """`sample` with the settings of `params`."""
     return sample(logits, key, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)

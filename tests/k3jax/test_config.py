@@ -103,6 +103,15 @@ def test_bare_text_configs(name):
     assert cfg.ffn_kinds[0] == "dense" and set(cfg.ffn_kinds[1:]) == {"moe"}
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "k3jax" / "configs").glob("*.json")) + [REPO / "k3jax" / "tiny_k3"],
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_packaged_configs_load_and_match_the_repository_ones(path):
+    """The configs shipped inside the package pass the same checks (and equal configs/ where both exist)."""
+    cfg = K3Config.from_hf(path)
+    if (CONFIGS / path.name).is_file():
+        assert cfg == K3Config.from_hf(CONFIGS / path.name)
+
+
 def test_tiny_is_the_golden_text_config_in_float32(golden):
     assert K3Config.from_hf(CONFIGS / "k3_tiny.json") == dataclasses.replace(K3Config.from_hf(golden), dtype="float32")
 

@@ -85,6 +85,18 @@ def test_greedy_and_validation():
     assert hash(SamplingParams(0.7, 5, 0.9)) == hash(SamplingParams(0.7, 5, 0.9))
 
 
+def test_settings_are_checked_before_any_cast_and_stored_as_python_numbers():
+    for bad in (dict(temperature=float("nan")), dict(temperature=float("inf")), dict(temperature=True),
+                dict(temperature=1.0, top_k=2.5), dict(temperature=1.0, top_k=True), dict(temperature=1.0, top_k=-1),
+                dict(temperature=1.0, top_p=float("nan"))):
+        with pytest.raises(ValueError, match=next(iter(bad)) if len(bad) == 1 else list(bad)[1]):
+            SamplingParams(**bad)
+    numpy = SamplingParams(np.float32(0.5), np.int64(5), np.float64(0.25))
+    assert numpy == SamplingParams(0.5, 5, 0.25) and hash(numpy) == hash(SamplingParams(0.5, 5, 0.25))
+    assert [type(v) for v in (numpy.temperature, numpy.top_k, numpy.top_p)] == [float, int, float]
+    assert SamplingParams(0).greedy and SamplingParams(1, None, 1).top_p == 1.0
+
+
 def test_temperature_distribution():
     counts = _counts(LOGITS, seed=0, temperature=0.7)
     assert _chi2(counts, _softmax(LOGITS / 0.7)) <= CHI2_9999[5]
