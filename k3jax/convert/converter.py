@@ -47,8 +47,8 @@ def convert(
     start = time.perf_counter()
     planned = plan_conversion(hf_dir, dtype=dtype, experts=experts)
     root = Path(out_dir)
-    manifest = open_output(root, planned, resume)
     store = ItemStore(root)
+    manifest = open_output(root, planned, resume, store)
     store.remove_all_but(set(manifest["items"]))
     todo = [item for item in planned.plan.items if item.name not in manifest["items"]]
     done_bytes = planned.plan.nbytes - sum(item.nbytes for item in todo)
@@ -59,6 +59,7 @@ def convert(
     def commit(item, records):
         store.commit(item.name, sync=sync)
         manifest["items"][item.name] = records.result()
+        manifest["files"][item.name] = store.files(item.name)
         write_manifest(root, manifest)
         bar.update(item.nbytes)
 

@@ -1,0 +1,151 @@
+"""Bad checkpoints, releases and conversion outputs: each is a clear error naming what is at fault
+(or, for a damaged output being resumed, is repaired), never a silent success.
+
+The golden release is converted once per module; each case works on its own copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import k3jax
+from k3jax.checkpoint import CheckpointError, CheckpointIndex
+from k3jax.checkpoint.safetensors_index import INDEX_FILE
+from k3jax.checkpoint.store import COMPLETE, ITEMS, MANIFEST, ItemStore
+from k3jax.cli import main
+from k3jax.convert import convert
+
+LM_HEAD = "language_model.lm_head.weight"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, golden_dir) -> Path:
+    out = tmp_path_factory.mktemp("converted") / "out"
+    convert(golden_dir, out, progress=False)
+    return out
+
+
+@pytest.fixture
+def output(tmp_path, converted) -> Path:
+    """A private copy of the converted golden release."""
+    return Path(shutil.copytree(converted, tmp_path / "out", symlinks=True))
+
+
+@pytest.fixture
+def release(tmp_path, golden_dir) -> Path:
+    """A private copy of the golden release (shards linked, not copied: the cases edit only the index)."""
+    root = tmp_path / "hf"
+    root.mkdir()
+    for entry in golden_dir.iterdir():
+        if entry.suffix in (".json", ".safetensors"):
+            shutil.copy(entry, root / entry.name)
+    return root
+
+
+def _remove_item(out: Path) -> None:
+    shutil.rmtree(out / ITEMS / "layer_003")
+
+
+def _truncate_item_file(out: Path) -> None:
+    files = sorted((p for p in (out / ITEMS / "layer_003").rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size)
+    files[0].write_bytes(files[0].read_bytes()[:-1])
+
+
+def _remove_item_file(out: Path) -> None:
+    files = sorted(p for p in (out / ITEMS / "layer_003").rglob("*") if p.is_file())
+    files[-1].unlink()
+
+
+@pytest.mark.parametrize("damage", [_remove_item, _truncate_item_file, _remove_item_file],
+                         ids=["item-removed", "file-truncated", "file-removed"])
+def test_resume_redoes_damaged_items(output, golden_dir, converted, damage):
+    damage(output)
+    result = convert(golden_dir, output, resume=True, progress=False)
+    assert (result.written, result.skipped) == (1, 14)
+    assert (output / COMPLETE).is_file()
+    read = lambda root: json.loads((root / MANIFEST).read_text())["items"]  # noqa: E731
+    assert read(output) == read(converted)
+    k3jax.from_pretrained(output)
+
+
+def test_resume_of_an_older_manifest_checks_checksums_and_records_files(output, golden_dir):
+    manifest = json.loads((output / MANIFEST).read_text())
+    del manifest["files"]
+    (output / MANIFEST).write_text(json.dumps(manifest))
+    _remove_item(output)
+    result = convert(golden_dir, output, resume=True, progress=False)
+    assert (result.written, result.skipped) == (1, 14)
+    assert len(json.loads((output / MANIFEST).read_text())["files"]) == 15
+
+
+def test_resume_never_deletes_through_a_linked_items_folder(tmp_path, output, golden_dir):
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(output / ITEMS, elsewhere)
+    (elsewhere / "precious.txt").write_text("keep me")
+    os.symlink(elsewhere, output / ITEMS)
+    assert main(["convert", str(golden_dir), str(output), "--resume", "--quiet"]) == 1
+    assert (elsewhere / "precious.txt").read_text() == "keep me"
+    assert len(list(elsewhere.iterdir())) == 16
+
+
+def test_resume_refuses_a_link_inside_the_output(tmp_path, output, golden_dir):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "precious.txt").write_text("keep me")
+    os.symlink(target, output / ITEMS / "stray")
+    with pytest.raises(CheckpointError, match=f"{output / ITEMS / 'stray'} is a symbolic link"):
+        convert(golden_dir, output, resume=True, progress=False)
+    assert (target / "precious.txt").is_file()
+
+
+def test_leftover_links_are_removed_themselves(tmp_path, output):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "precious.txt").write_text("keep me")
+    os.symlink(target, output / ITEMS / "stray")
+    os.symlink(target / "precious.txt", output / ITEMS / "stray-file")
+    ItemStore(output).remove_all_but(set(json.loads((output / MANIFEST).read_text())["items"]))
+    assert not (output / ITEMS / "stray").is_symlink() and not (output / ITEMS / "stray-file").is_symlink()
+    assert (target / "precious.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize(
+    ("shard", "message"),
+    [
+        ("../x.safetensors", r"'\.\./x\.safetensors': a shard must be a relative path inside"),
+        ("/etc/passwd", r"'/etc/passwd': a shard must be a relative path inside"),
+        ("sub/../../x.safetensors", r"a shard must be a relative path inside"),
+        ("folder", r"folder is a directory, not a shard file"),
+        ("escape.safetensors", r"escape\.safetensors is a link to /etc/passwd, outside"),
+    ],
+    ids=["dotdot", "absolute", "nested-dotdot", "directory", "link-out"],
+)
+def test_index_shard_paths_stay_inside_the_release(release, capsys, shard, message):
+    (release / "folder").mkdir()
+    os.symlink("/etc/passwd", release / "escape.safetensors")
+    index = json.loads((release / INDEX_FILE).read_text())
+    index["weight_map"][LM_HEAD] = shard
+    (release / INDEX_FILE).write_text(json.dumps(index))
+    pattern = f"{release / INDEX_FILE}: maps tensors \\(e\\.g\\. '{LM_HEAD}'\\).*{message}"
+    with pytest.raises(CheckpointError, match=pattern):
+        CheckpointIndex.open(release)
+    assert main(["convert", str(release), str(release.parent / "out"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and "header length" not in err
+
+
+def test_hub_snapshot_links_into_blobs_are_inside(tmp_path, golden_dir):
+    repo = tmp_path / "models--moonshotai--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for entry in golden_dir.iterdir():
+        if entry.suffix in (".json", ".safetensors"):
+            shutil.copy(entry, blobs / entry.name)
+            os.symlink(f"../../blobs/{entry.name}", snapshot / entry.name)
+    assert len(CheckpointIndex.open(snapshot).names()) == len(CheckpointIndex.open(golden_dir).names())
