@@ -149,3 +149,45 @@ def test_hub_snapshot_links_into_blobs_are_inside(tmp_path, golden_dir):
             shutil.copy(entry, blobs / entry.name)
             os.symlink(f"../../blobs/{entry.name}", snapshot / entry.name)
     assert len(CheckpointIndex.open(snapshot).names()) == len(CheckpointIndex.open(golden_dir).names())
+
+
+def _relabel(release: Path, tensor: str, dtype: str) -> None:
+    """Change one tensor's dtype in its shard header, keeping the header's length (pads with spaces)."""
+    shard = release / json.loads((release / INDEX_FILE).read_text())["weight_map"][tensor]
+    data = shard.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    header[tensor]["dtype"] = dtype
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    assert len(blob) <= length
+    shard.write_bytes(data[:8] + blob.ljust(length) + data[8 + length:])
+
+
+A_LOG = "language_model.model.layers.0.self_attn.A_log"
+BIAS = "language_model.model.layers.1.block_sparse_moe.gate.e_score_correction_bias"
+SCALE = "language_model.model.layers.3.block_sparse_moe.experts.5.w1.weight_scale"
+PACKED = "language_model.model.layers.3.block_sparse_moe.experts.5.w1.weight_packed"
+Q_PROJ = "language_model.model.layers.2.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize(
+    ("tensor", "dtype", "message"),
+    [
+        (Q_PROJ, "F16", f"tensor {Q_PROJ} has dtype float16, expected bfloat16"),
+        (LM_HEAD, "F16", f"tensor {LM_HEAD} has dtype float16, expected bfloat16"),
+        (A_LOG, "I32", f"tensor {A_LOG} has dtype int32, expected a floating-point tensor"),
+        (BIAS, "U32", f"tensor {BIAS} has dtype uint32, expected a floating-point tensor"),
+        (SCALE, "F8_E8M0", f"tensor {SCALE} has dtype float8_e8m0fnu, MXFP4 needs uint8"),
+        (PACKED, "I8", f"tensor {PACKED} has dtype int8, MXFP4 needs uint8"),
+    ],
+    ids=["bf16-as-f16", "head-as-f16", "a-log-as-int", "bias-as-uint", "scale-as-e8m0", "codes-as-int8"],
+)
+@pytest.mark.parametrize("dtype_out", ["bfloat16", "float32"])
+def test_relabelled_tensor_dtypes_fail_in_planning(release, tmp_path, capsys, tensor, dtype, message, dtype_out):
+    _relabel(release, tensor, dtype)
+    assert main(["convert", str(release), str(tmp_path / "out"), "--dtype", dtype_out, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(")):
+        k3jax.from_pretrained(release, dtype=dtype_out)
