@@ -191,3 +191,25 @@ def test_relabelled_tensor_dtypes_fail_in_planning(release, tmp_path, capsys, te
     assert not (tmp_path / "out").exists()
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(")):
         k3jax.from_pretrained(release, dtype=dtype_out)
+
+
+def _flip_a_byte(out: Path, item: str) -> None:
+    """Flip one byte in the middle of the item's largest file (its array data)."""
+    largest = max((p for p in (out / ITEMS / item).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    largest.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("mesh", [None, "expert=2,data=-1"], ids=["host", "mesh"])
+def test_verify_while_loading_names_the_item_with_a_flipped_byte(output, mesh):
+    k3jax.from_pretrained(output, verify=True, mesh=mesh)  # whole: loads
+    _flip_a_byte(output, "layer_004")
+    k3jax.from_pretrained(output, mesh=mesh)  # without verify, only names, shapes and dtypes are checked
+    with pytest.raises(CheckpointError, match=f"{output}: item 'layer_004' does not match the manifest's checksums"):
+        k3jax.from_pretrained(output, verify=True, mesh=mesh)
+
+
+def test_verify_while_loading_a_release_is_refused(golden_dir):
+    with pytest.raises(ValueError, match="verify=True checks the checksums of a `k3jax convert` directory"):
+        k3jax.from_pretrained(golden_dir, verify=True)
