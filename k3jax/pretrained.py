@@ -45,7 +45,7 @@ def from_pretrained(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {_DTYPES}")
     kernels = Kernels.of(kernels)
-    root = Path(path)
+    root = Path(path).absolute()  # once, for every road below (Orbax needs absolute paths)
     if is_converted(root):
         return load_converted(root, dtype=dtype, experts=experts, kernels=kernels, mesh=mesh, verify=verify)
     if verify:

@@ -41,12 +41,13 @@ def convert(
 
     With `mesh` ("expert=8" or a Mesh, over every process's devices) each process reads and writes
     only its devices' slices (`sharded`); the output is the same."""
+    hf_dir, out_dir = Path(hf_dir).absolute(), Path(out_dir).absolute()  # Orbax needs absolute paths
     if mesh is not None:
         return convert_sharded(hf_dir, out_dir, mesh=mesh, dtype=dtype, experts=experts, resume=resume,
                                verify=verify, progress=progress)
     start = time.perf_counter()
     planned = plan_conversion(hf_dir, dtype=dtype, experts=experts)
-    root = Path(out_dir)
+    root = out_dir
     store = ItemStore(root)
     manifest = open_output(root, planned, resume, store)
     store.remove_all_but(set(manifest["items"]))

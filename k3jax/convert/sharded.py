@@ -85,7 +85,7 @@ def convert_sharded(
     mesh = make_mesh(mesh)
     planned = plan_conversion(hf_dir, dtype=dtype, experts=experts)
     shardings = slot_shardings(planned.abstract, mesh)
-    root = Path(out_dir)
+    root = Path(out_dir).absolute()  # Orbax needs absolute paths
     store = ItemStore(root)
 
     def open_dir() -> None:

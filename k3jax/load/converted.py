@@ -43,7 +43,7 @@ def load_converted(
     verify: bool = False,
 ) -> K3Model:
     """The model of a COMPLETE conversion in `path` (see `load_items` for the options)."""
-    root = Path(path)
+    root = Path(path).absolute()  # Orbax needs absolute paths
     return load_items(root, read_complete_manifest(root), dtype=dtype, experts=experts, kernels=kernels, mesh=mesh,
                       verify=verify)
 

@@ -213,3 +213,18 @@ def test_verify_while_loading_names_the_item_with_a_flipped_byte(output, mesh):
 def test_verify_while_loading_a_release_is_refused(golden_dir):
     with pytest.raises(ValueError, match="verify=True checks the checksums of a `k3jax convert` directory"):
         k3jax.from_pretrained(golden_dir, verify=True)
+
+
+def test_relative_paths_convert_and_load(tmp_path, golden_dir, converted, monkeypatch, capsys):
+    shutil.copytree(golden_dir, tmp_path / "hf", ignore=shutil.ignore_patterns("reference", "README.md"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", "hf", "out/", "--quiet"]) == 0, capsys.readouterr().err  # the README's form
+    assert (tmp_path / "out" / COMPLETE).is_file()
+    shutil.rmtree(tmp_path / "out" / ITEMS / "head")
+    assert convert("hf", "out", resume=True, progress=False).written == 1
+    convert("hf", "mesh-out", mesh="expert=2,data=-1", progress=False)
+    read = lambda root: json.loads((root / MANIFEST).read_text())["items"]  # noqa: E731
+    assert read(tmp_path / "out") == read(tmp_path / "mesh-out") == read(converted)
+    k3jax.from_pretrained("out", verify=True)
+    k3jax.from_pretrained("out", mesh="expert=2,data=-1")
+    k3jax.from_pretrained("hf")
