@@ -11,14 +11,20 @@ import os
 import shutil
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 import k3jax
 from k3jax.checkpoint import CheckpointError, CheckpointIndex
+from k3jax.checkpoint.release_writer import write_release
 from k3jax.checkpoint.safetensors_index import INDEX_FILE
 from k3jax.checkpoint.store import COMPLETE, ITEMS, MANIFEST, ItemStore
 from k3jax.cli import main
 from k3jax.convert import convert
+from k3jax.load import release as release_loader
+from sharding import make_mesh, shard_batch
+from tests.k3jax.convert.conftest import golden_config
 
 LM_HEAD = "language_model.lm_head.weight"
 
@@ -228,3 +234,32 @@ def test_relative_paths_convert_and_load(tmp_path, golden_dir, converted, monkey
     k3jax.from_pretrained("out", verify=True)
     k3jax.from_pretrained("out", mesh="expert=2,data=-1")
     k3jax.from_pretrained("hf")
+
+
+@pytest.fixture(scope="module")
+def twelve_experts(tmp_path_factory, golden_dir) -> tuple[Path, Path]:
+    """A random release with 12 routed experts, and its conversion."""
+    root = tmp_path_factory.mktemp("twelve")
+    release = write_release(root / "hf", golden_config(golden_dir, num_experts=12))
+    convert(release, root / "out", progress=False)
+    return release, root / "out"
+
+
+@pytest.mark.parametrize("road", [0, 1], ids=["release", "converted"])
+@pytest.mark.parametrize(
+    ("mesh", "message"),
+    [("expert=8", "mesh axis 'expert' has size 8, which does not divide the config's num_experts=12"),
+     ("expert=4,tensor=2", None), ("tensor=8", None)],
+    ids=["expert-8", "expert-4", "tensor-8-heads-replicated"],
+)
+def test_mesh_must_split_the_experts_evenly(twelve_experts, monkeypatch, road, mesh, message):
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (jax_num_cpu_devices=8 on CPU)")
+    if message is None:
+        model = k3jax.from_pretrained(twelve_experts[road], mesh=mesh)
+        model(shard_batch(np.zeros((2, 8), np.int32), make_mesh(mesh)))  # a forward runs on it
+        return
+    monkeypatch.setattr(ItemStore, "restore_sharded", lambda *a: pytest.fail("read before the mesh was checked"))
+    monkeypatch.setattr(release_loader, "leaf_array", lambda *a: pytest.fail("read before the mesh was checked"))
+    with pytest.raises(ValueError, match=message):
+        k3jax.from_pretrained(twelve_experts[road], mesh=mesh)
