@@ -13,7 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from k3jax.checkpoint.names import model_slots, path_names
 from k3jax.config import K3Config
@@ -21,7 +21,7 @@ from k3jax.model import K3Model
 from sharding import DEFAULT_RULES, param_shardings
 
 
-def check_mesh(cfg: K3Config, mesh: Mesh) -> None:
+def check_mesh(cfg: K3Config, mesh: Mesh | AbstractMesh) -> None:
     """Refuse a mesh this config cannot run on, before anything is read: routed experts are split
     evenly over the rules' expert axis (a forward needs E / size experts per device). Heads and widths
     that an axis does not divide are replicated instead (`sharding.logical_to_spec`), which gives the

@@ -263,3 +263,18 @@ def test_mesh_must_split_the_experts_evenly(twelve_experts, monkeypatch, road, m
     monkeypatch.setattr(release_loader, "leaf_array", lambda *a: pytest.fail("read before the mesh was checked"))
     with pytest.raises(ValueError, match=message):
         k3jax.from_pretrained(twelve_experts[road], mesh=mesh)
+
+
+def test_plan_only_refuses_a_mesh_that_does_not_split_the_experts(twelve_experts, capsys):
+    assert main(["convert", str(twelve_experts[0]), "--plan-only", "--mesh", "expert=8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --mesh expert=8: mesh axis 'expert' has size 8, which does not divide the "
+                          "config's num_experts=12") and "Traceback" not in err
+
+
+def test_single_file_release_linked_outside_is_refused(tmp_path):
+    root = tmp_path / "hf"
+    root.mkdir()
+    os.symlink("/etc/passwd", root / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{root / 'model.safetensors'} is a link to /etc/passwd, outside {root}"):
+        CheckpointIndex.open(root)
