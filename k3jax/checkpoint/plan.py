@@ -245,7 +245,9 @@ def build_plan(index: CheckpointIndex, abstract, *, experts_dtype: str | None = 
             dtype = np.dtype(leaf.dtype)
             if experts_dtype is not None and slot.target.startswith(EXPERTS_PREFIX) and dtype != np.uint8:
                 dtype = np.dtype(experts_dtype)
-            leaves.append(_plan_leaf(src, slot, leaf, dtype, release_dtypes.get(slot, np.dtype(np.uint8))))
+            # packed expert slots are not in the dense model: their pairs are uint8, which `_mxfp4` checks
+            release = release_dtypes.get(slot, np.dtype(np.uint8))
+            leaves.append(_plan_leaf(src, slot, leaf, dtype, release))
         items.append(ItemPlan(item_name, tuple(leaves)))
     unexpected = src.unexpected()
     if unexpected:

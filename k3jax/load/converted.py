@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from k3jax.checkpoint.names import EXPERTS_PREFIX, Slot, abstract_items
 from k3jax.checkpoint.safetensors_index import CheckpointError
-from k3jax.checkpoint.store import CHECKSUM, ItemStore, read_complete_manifest
+from k3jax.checkpoint.store import CHECKSUM, MANIFEST, ItemStore, read_complete_manifest
 from k3jax.config import K3Config
 from k3jax.kernels import Kernels
 from k3jax.load.abstract import abstract_model
@@ -61,7 +61,7 @@ def load_items(
     if experts not in EXPERTS:
         raise ValueError(f"experts={experts!r}: expected one of {EXPERTS}")
     if verify and manifest.get("checksum") != CHECKSUM:
-        raise CheckpointError(f"{root / 'manifest.json'} records {manifest.get('checksum', 'sha256')} checksums; "
+        raise CheckpointError(f"{root / MANIFEST} records {manifest.get('checksum', 'sha256')} checksums; "
                               f"verify=True checks {CHECKSUM} ones: convert again to verify while loading")
     stored_packed = manifest.get("experts") == "mxfp4"
     if experts == "mxfp4" and not stored_packed:
