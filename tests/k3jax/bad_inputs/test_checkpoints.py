@@ -89,12 +89,14 @@ def test_resume_of_an_older_manifest_checks_checksums_and_records_files(output, 
     assert len(json.loads((output / MANIFEST).read_text())["files"]) == 15
 
 
-def test_resume_never_deletes_through_a_linked_items_folder(tmp_path, output, golden_dir):
+def test_resume_never_deletes_through_a_linked_items_folder(tmp_path, output, golden_dir, capsys):
     elsewhere = tmp_path / "elsewhere"
     shutil.move(output / ITEMS, elsewhere)
     (elsewhere / "precious.txt").write_text("keep me")
     os.symlink(elsewhere, output / ITEMS)
     assert main(["convert", str(golden_dir), str(output), "--resume", "--quiet"]) == 1
+    assert capsys.readouterr().err == f"error: {output / ITEMS} is a symbolic link; a conversion output must hold " \
+                                      "its own files (nothing is deleted or written through a link)\n"
     assert (elsewhere / "precious.txt").read_text() == "keep me"
     assert len(list(elsewhere.iterdir())) == 16
 
