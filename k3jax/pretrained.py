@@ -18,6 +18,7 @@ _DTYPES = ("bfloat16", "float32")
 def from_pretrained(
     path: str | Path, *, dtype: str = "bfloat16", mesh: str | Mesh | None = None,
     kernels: Kernels | Mapping[str, str | None] | None = None, experts: str | None = None,
+    verify: bool = False,
 ) -> K3Model:
     """Load a Hugging Face K3 release directory (config.json, safetensors index and shards), or a
     directory written by `k3jax convert` (recognised by its manifest; it must be COMPLETE).
@@ -35,13 +36,21 @@ def from_pretrained(
     weight, decoded on the fly before the expert GEMMs; same logits), "bf16" decodes them into the
     model dtype at load time; None loads a converted directory as it was converted and decodes a
     release's experts.
+
+    `verify=True` (a converted directory) checks every leaf against the crc32 the manifest recorded
+    at conversion, so a damaged file is an error naming its item instead of silently wrong weights.
+    It costs a full read and checksum of every item on the host (with a mesh, on top of the sharded
+    restore): about the time of converting without writing. A release directory has no checksums.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {_DTYPES}")
     kernels = Kernels.of(kernels)
-    root = Path(path)
+    root = Path(path).absolute()  # once, for every road below (Orbax needs absolute paths)
     if is_converted(root):
-        return load_converted(root, dtype=dtype, experts=experts, kernels=kernels, mesh=mesh)
+        return load_converted(root, dtype=dtype, experts=experts, kernels=kernels, mesh=mesh, verify=verify)
+    if verify:
+        raise ValueError(f"verify=True checks the checksums of a `k3jax convert` directory; {root} is not one "
+                         "(a release has no checksums: convert it with --verify)")
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{root} has no config.json; expected a Hugging Face release directory")
     return load_hf_model(root, dtype=dtype, experts=experts, kernels=kernels, mesh=mesh)

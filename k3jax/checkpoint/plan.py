@@ -5,6 +5,11 @@ Built from the safetensors index and shard headers only, against the abstract mo
 before any tensor data is read or anything is written. Loading a release and converting one run from
 this one plan, so they cannot disagree about names or transforms (names: `names`).
 
+Source dtypes: the release keeps its weights in bfloat16 and a few tensors (the KDA state parameters,
+the router bias) in float32, exactly the dtypes of the bfloat16 model's leaves; MXFP4 codes and scales
+are uint8. Each tensor's header dtype must be the one its leaf implies, so a tensor relabelled in its
+header (bf16 bytes called F16) is an error naming it rather than garbage weights.
+
 Transforms: routed experts are stacked from one tensor per expert (MXFP4 `weight_packed` +
 `weight_scale` decoded when present, plain `.weight` otherwise — decided per tensor, never from the
 config's `ignore` list); `A_log` is stored zero-padded to head_dim and sliced to the heads; anything
@@ -26,11 +31,14 @@ import math
 import jax
 import ml_dtypes
 import numpy as np
+from flax import nnx
 
 from k3jax.checkpoint.names import EXPERTS_PREFIX, MXFP4_SUFFIXES, RELEASE_PREFIX, Slot, abstract_items, source_name
 from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex, TensorInfo
+from k3jax.model import K3Model
 
 _NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")
+RELEASE_DTYPE = "bfloat16"  # the dtype of the release's weights (its config's `dtype`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +141,27 @@ def _float_source(info: TensorInfo) -> TensorInfo:
     return info
 
 
-def _plain(src: _Sources, name: str, shape: tuple[int, ...]) -> TensorInfo:
+def _release_dtype(info: TensorInfo, expected: np.dtype) -> TensorInfo:
+    """The header's dtype must be the one the release keeps this tensor in (see the module docstring)."""
+    _float_source(info)
+    if info.dtype != expected:
+        raise CheckpointError(f"tensor {info.name} has dtype {info.dtype.name}, expected {expected.name} "
+                              "(the release's dtype for this tensor; header relabelled?)")
+    return info
+
+
+def _plain(src: _Sources, name: str, shape: tuple[int, ...], expected: np.dtype) -> TensorInfo:
     info = _float_source(src.info(name))
     if info.shape != shape:
         raise _shape_error(info, shape)
-    return info
+    return _release_dtype(info, expected)
+
+
+def _release_dtypes(abstract) -> dict[Slot, np.dtype]:
+    """Each slot's dtype in the release: its leaf's dtype in the bfloat16 model (dense experts)."""
+    cfg = abstract.config
+    reference = nnx.eval_shape(lambda: K3Model.init(dataclasses.replace(cfg, dtype=RELEASE_DTYPE)))
+    return {slot: np.dtype(leaf.dtype) for slots in abstract_items(reference).values() for slot, leaf in slots.items()}
 
 
 def _mxfp4(src: _Sources, base: str, shape: tuple[int, ...]) -> list[TensorInfo]:
@@ -172,7 +196,8 @@ def _plan_packed_leaf(src: _Sources, slot: Slot, shape: tuple[int, ...]) -> Leaf
                     f"stack {shape[0]} experts, {what} as stored (no decode)", nbytes)
 
 
-def _plan_leaf(src: _Sources, slot: Slot, abstract: jax.ShapeDtypeStruct, dtype: np.dtype) -> LeafPlan:
+def _plan_leaf(src: _Sources, slot: Slot, abstract: jax.ShapeDtypeStruct, dtype: np.dtype,
+               release: np.dtype) -> LeafPlan:
     name, shape = source_name(slot), tuple(abstract.shape)
     if slot.target.startswith(EXPERTS_PREFIX) and slot.target.endswith((".packed", ".scale")):
         return _plan_packed_leaf(src, slot, shape)
@@ -184,14 +209,14 @@ def _plan_leaf(src: _Sources, slot: Slot, abstract: jax.ShapeDtypeStruct, dtype:
             if src.has(base + MXFP4_SUFFIXES[0]):
                 pair = _mxfp4(src, base, shape[1:])
             else:
-                pair = [_plain(src, base + ".weight", shape[1:])]
+                pair = [_plain(src, base + ".weight", shape[1:], release)]
             parts.append(tuple(i.name for i in pair))
             infos.extend(pair)
         decode = ", MXFP4 decode" if any(len(p) == 2 for p in parts) else ""
         transform = f"stack {shape[0]} experts{decode} -> {dtype.name}"
         return LeafPlan(slot.target, shape, dtype, "experts", tuple(parts), transform, sum(i.nbytes for i in infos))
     if slot.target == "self_attn.A_log":
-        info = _float_source(src.info(name))
+        info = _release_dtype(src.info(name), release)
         if len(info.shape) != 1 or info.shape[0] < shape[0]:
             raise CheckpointError(
                 f"tensor {info.name} has shape {list(info.shape)}, expected [{shape[0]}] or a padded 1-D vector"
@@ -199,7 +224,7 @@ def _plan_leaf(src: _Sources, slot: Slot, abstract: jax.ShapeDtypeStruct, dtype:
         cast = "" if info.dtype == dtype else f", cast {info.dtype.name} -> {dtype.name}"
         transform = f"A_log slice [{info.shape[0]}] -> [{shape[0]}]{cast}"
         return LeafPlan(slot.target, shape, dtype, "a_log", ((info.name,),), transform, info.nbytes)
-    info = _plain(src, name, shape)
+    info = _plain(src, name, shape, release)
     transform = "copy" if info.dtype == dtype else f"cast {info.dtype.name} -> {dtype.name}"
     return LeafPlan(slot.target, shape, dtype, "copy", ((info.name,),), transform, info.nbytes)
 
@@ -212,6 +237,7 @@ def build_plan(index: CheckpointIndex, abstract, *, experts_dtype: str | None = 
     with packed experts (`abstract_model(..., packed_experts=True)`) plans them as uint8 codes and scales.
     """
     src = _Sources(index)
+    release_dtypes = _release_dtypes(abstract)
     items = []
     for item_name, slots in abstract_items(abstract).items():
         leaves = []
@@ -219,7 +245,9 @@ def build_plan(index: CheckpointIndex, abstract, *, experts_dtype: str | None = 
             dtype = np.dtype(leaf.dtype)
             if experts_dtype is not None and slot.target.startswith(EXPERTS_PREFIX) and dtype != np.uint8:
                 dtype = np.dtype(experts_dtype)
-            leaves.append(_plan_leaf(src, slot, leaf, dtype))
+            # packed expert slots are not in the dense model: their pairs are uint8, which `_mxfp4` checks
+            release = release_dtypes.get(slot, np.dtype(np.uint8))
+            leaves.append(_plan_leaf(src, slot, leaf, dtype, release))
         items.append(ItemPlan(item_name, tuple(leaves)))
     unexpected = src.unexpected()
     if unexpected:

@@ -11,7 +11,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import ml_dtypes
 import numpy as np
@@ -102,6 +102,32 @@ def _parse_entry(path: Path, name: str, entry, data_start: int, data_len: int) -
     return TensorInfo(name, path, _DTYPES[dtype], tuple(shape), data_start + begin, data_start + end)
 
 
+def _inside(path: Path, directory: Path) -> bool:
+    """True when `path`, links resolved, is in `directory`, or (a Hugging Face hub snapshot, whose files
+    are links to `../../blobs/<hash>`) in its repository's `blobs` folder."""
+    top = directory.resolve()
+    roots = [top] + ([top.parent.parent / "blobs"] if top.parent.name == "snapshots" else [])
+    resolved = path.resolve()
+    return any(resolved.is_relative_to(root) for root in roots)
+
+
+def _shard_path(directory: Path, shard_name: str, source: Path, tensor: str | None = None) -> Path:
+    """The file `shard_name` names in `directory`, checked to stay there: no absolute path, no `..`, no
+    link out of it. `source` (the index, or the file itself) and `tensor` are named in the error."""
+    what = f"maps tensors (e.g. {tensor!r}) to {shard_name!r}" if tensor is not None else f"file {shard_name!r}"
+    parts = PurePosixPath(shard_name).parts
+    if not parts or Path(shard_name).is_absolute() or PurePosixPath(shard_name).is_absolute() or ".." in parts:
+        raise _fail(source, f"{what}: a shard must be a relative path inside {directory} (no absolute path, no '..')")
+    path = directory / shard_name
+    if not _inside(path, directory):
+        raise _fail(source, f"{what}: {path} is a link to {path.resolve()}, outside {directory}")
+    if path.is_dir():
+        raise _fail(source, f"{what}, but {path} is a directory, not a shard file")
+    if not path.is_file():
+        raise _fail(source, f"{what}, but {path} does not exist")
+    return path
+
+
 def _read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and validate one shard's header without touching its data."""
     if not path.is_file():
@@ -151,10 +177,10 @@ class CheckpointIndex:
         directory = Path(path)
         index_path = directory / INDEX_FILE
         if index_path.is_file():
-            return cls(directory, _open_sharded(index_path))
+            return cls(directory, _open_sharded(_shard_path(directory, INDEX_FILE, index_path)))
         single = directory / SINGLE_FILE
-        if single.is_file():
-            return cls(directory, _read_header(single))
+        if single.is_file() or single.is_symlink():
+            return cls(directory, _read_header(_shard_path(directory, SINGLE_FILE, single)))
         raise _fail(directory, f"neither {INDEX_FILE} nor {SINGLE_FILE} found")
 
     def names(self) -> list[str]:
@@ -209,13 +235,11 @@ def _open_sharded(index_path: Path) -> dict[str, TensorInfo]:
         raise _fail(index_path,
                     "expected a JSON object with a 'weight_map' of tensor name -> shard file")
     found: dict[str, TensorInfo] = {}
-    shard_paths = {shard_name: index_path.parent / shard_name for shard_name in set(weight_map.values())}
+    examples = {shard_name: name for name, shard_name in reversed(weight_map.items())}  # first tensor of each
+    shard_paths = {shard_name: _shard_path(index_path.parent, shard_name, index_path, examples[shard_name])
+                   for shard_name in sorted(examples)}
     for shard_name in sorted(shard_paths):
         shard = shard_paths[shard_name]
-        if not shard.is_file():
-            example = next(k for k, v in weight_map.items() if v == shard_name)
-            raise _fail(index_path, f"maps tensors (e.g. {example!r}) to {shard_name!r}, "
-                        f"but {shard} does not exist")
         for name, info in _read_header(shard).items():
             if name in found:
                 raise _fail(shard, f"duplicate tensor, also stored in {found[name].shard_path}", name)

@@ -4,12 +4,14 @@
     OUT/items/<item>/       one Orbax PyTree checkpoint per item (embed, layer_000 ..., head)
     OUT/manifest.json       settings, plan fingerprint, the checksum algorithm ("crc32", see
                             `checksum`), and per committed item its leaves' shape, dtype and crc32
+                            ("items") and its files' sizes ("files")
     OUT/COMPLETE            written last; holds the sha256 of the final manifest
 
 Every step is atomic under SIGKILL, and durable unless `sync=False`: an item is written under a
 `.tmp` name, its files are fsynced and it is renamed (`ItemStore.commit`), and only then added to
 the manifest, itself replaced atomically. So a directory is either COMPLETE (and then loadable) or resumable, and
-anything not in the manifest is debris. TensorStore's own per-file fsync is off (`_UnsyncedNumpyHandler`)
+anything not in the manifest is debris. Nothing here follows a symbolic link when it deletes: an output
+whose parts are links is refused (`check_no_links`). TensorStore's own per-file fsync is off (`_UnsyncedNumpyHandler`)
 so that the writing thread never waits for the disk; `commit` does the fsync, and the converter
 runs it for one item while the next is being written.
 """
@@ -40,6 +42,28 @@ FORMAT, VERSION, LOADABLE_VERSIONS = "k3jax-converted", 2, (1, 2)
 
 def is_converted(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
+
+
+def remove_path(path: Path) -> None:
+    """Delete `path` without following links: a link is removed itself, never what it points to; a
+    directory with everything under it (`shutil.rmtree` removes nested links, not their targets)."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)
+
+
+def check_no_links(root: Path) -> None:
+    """Refuse an output directory whose parts (manifest, marker, config, items and what is in them) are
+    symbolic links: resuming deletes and rewrites there, and must not reach outside `root`."""
+    parts = [root / MANIFEST, root / COMPLETE, root / "config.json", root / ITEMS]
+    if (root / ITEMS).is_dir() and not (root / ITEMS).is_symlink():
+        for folder, dirs, files in os.walk(root / ITEMS):  # os.walk does not descend into linked folders
+            parts += [Path(folder, name) for name in [*dirs, *files]]
+    for path in parts:
+        if path.is_symlink():
+            raise CheckpointError(f"{path} is a symbolic link; a conversion output must hold its own files "
+                                  "(nothing is deleted or written through a link)")
 
 
 def leaf_checksum(array: np.ndarray) -> str:
@@ -203,8 +227,7 @@ class ItemStore:
         """Write the item under a temporary name; its data may still be only in the page cache."""
         self.items.mkdir(exist_ok=True)
         tmp = self._tmp(item)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        remove_path(tmp)
         self._writer.save(tmp, nest({k: np.ascontiguousarray(v).view(_Unstaged) for k, v in leaves.items()}))
 
     def commit(self, item: str, *, sync: bool = True) -> None:
@@ -244,9 +267,56 @@ class ItemStore:
         return _flatten(self._checkpointer.restore(path, args=args))
 
     def remove_all_but(self, committed: set[str]) -> None:
-        """Delete whatever a killed run left that the manifest does not list (temporaries, unlisted items)."""
+        """Delete whatever a killed run left that the manifest does not list (temporaries, unlisted items);
+        links are removed themselves, never followed, and a linked `items` folder is refused."""
+        if self.items.is_symlink():
+            raise CheckpointError(f"{self.items} is a symbolic link; a conversion output must hold its own files "
+                                  "(nothing is deleted or written through a link)")
         if not self.items.is_dir():
             return
         for entry in self.items.iterdir():
             if entry.name not in committed:
-                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+                remove_path(entry)
+
+    def files(self, item: str) -> dict[str, int]:
+        """The item's files (paths relative to its directory) and their sizes, as recorded at commit."""
+        path = self.path(item)
+        found = {}
+        for folder, _, names in os.walk(path):
+            for name in names:
+                file = Path(folder, name)
+                found[str(file.relative_to(path))] = file.lstat().st_size
+        return dict(sorted(found.items()))
+
+    def damage(self, item: str, files: dict[str, int] | None, leaves: dict[str, dict]) -> str | None:
+        """What is wrong with a committed item, or None when it is whole: its files as recorded (`files`),
+        or, when no file list was recorded, its leaves' checksums as recorded (a full read of the item)."""
+        path = self.path(item)
+        if path.is_symlink() or not path.is_dir():
+            return f"{path} is missing"
+        if files is None:
+            return self.checksum_mismatch(item, leaves)
+        found = self.files(item)
+        for name, size in files.items():
+            if name not in found:
+                return f"{path / name} is missing"
+            if found[name] != size:
+                return f"{path / name} has {found[name]} bytes, {size} were written"
+        return None
+
+    def checksum_mismatch(self, item: str, leaves: dict[str, dict], arrays: dict | None = None) -> str | None:
+        """The first leaf whose shape, dtype or checksum differs from its manifest record (`leaves`), or
+        None; `arrays` are the item's host arrays if already restored (else it is restored: a full read)."""
+        try:
+            arrays = self.restore(item) if arrays is None else arrays
+        except Exception as err:  # any failure to read the item back is damage to report
+            return f"{self.path(item)} cannot be restored ({type(err).__name__}: {err})"
+        if set(arrays) != set(leaves):
+            return f"{self.path(item)} holds leaves {sorted(arrays)}, the manifest lists {sorted(leaves)}"
+        for name, record in leaves.items():
+            found = leaf_record(np.asarray(arrays[name]))
+            if any(found[key] != record.get(key) for key in found):
+                return (f"{self.path(item)}: leaf {name} is {found['dtype']}{found['shape']} {CHECKSUM} "
+                        f"{found[CHECKSUM]}, the manifest records {record.get('dtype')}{record.get('shape')} "
+                        f"{CHECKSUM} {record.get(CHECKSUM)}")
+        return None

@@ -41,14 +41,15 @@ def convert(
 
     With `mesh` ("expert=8" or a Mesh, over every process's devices) each process reads and writes
     only its devices' slices (`sharded`); the output is the same."""
+    hf_dir, out_dir = Path(hf_dir).absolute(), Path(out_dir).absolute()  # Orbax needs absolute paths
     if mesh is not None:
         return convert_sharded(hf_dir, out_dir, mesh=mesh, dtype=dtype, experts=experts, resume=resume,
                                verify=verify, progress=progress)
     start = time.perf_counter()
     planned = plan_conversion(hf_dir, dtype=dtype, experts=experts)
-    root = Path(out_dir)
-    manifest = open_output(root, planned, resume)
+    root = out_dir
     store = ItemStore(root)
+    manifest = open_output(root, planned, resume, store)
     store.remove_all_but(set(manifest["items"]))
     todo = [item for item in planned.plan.items if item.name not in manifest["items"]]
     done_bytes = planned.plan.nbytes - sum(item.nbytes for item in todo)
@@ -59,6 +60,7 @@ def convert(
     def commit(item, records):
         store.commit(item.name, sync=sync)
         manifest["items"][item.name] = records.result()
+        manifest["files"][item.name] = store.files(item.name)
         write_manifest(root, manifest)
         bar.update(item.nbytes)
 

@@ -2,7 +2,9 @@
 opening it (fresh, or resumed after checking it is the same conversion) and verifying it.
 
 Layout and atomicity: `checkpoint.store`. COMPLETE is written last, after the optional
-verification, so a failed or interrupted run never looks finished.
+verification, so a failed or interrupted run never looks finished. A resumed run skips only the
+items that are still whole on disk (every file recorded at commit present, at its size) and makes
+the others again, so resuming never certifies a damaged output.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from k3jax.checkpoint.store import (
     MANIFEST,
     VERSION,
     ItemStore,
+    check_no_links,
     read_manifest,
     write_manifest,
 )
@@ -34,9 +37,11 @@ class ConvertResult:
     seconds: float
 
 
-def open_output(root: Path, planned: PlannedConversion, resume: bool) -> dict:
-    """A fresh manifest for an empty or new directory, or the one to resume after checking it matches."""
+def open_output(root: Path, planned: PlannedConversion, resume: bool, store: ItemStore) -> dict:
+    """A fresh manifest for an empty or new directory, or the one to resume after checking it matches,
+    its damaged items dropped (`drop_damaged`)."""
     if root.exists() and any(root.iterdir()):
+        check_no_links(root)
         if not resume:
             raise CheckpointError(f"{root} is not empty; pass --resume to continue a conversion there, "
                                   "or choose a new directory")
@@ -49,13 +54,33 @@ def open_output(root: Path, planned: PlannedConversion, resume: bool) -> dict:
                     f"{root} was started with {key}={manifest.get(key)!r} but this run has {value!r} "
                     "(different source checkpoint or options); use a new directory"
                 )
+        drop_damaged(root, store, manifest)
     else:
         root.mkdir(parents=True, exist_ok=True)
         manifest = {"format": FORMAT, "version": VERSION, "checksum": CHECKSUM, **planned.settings,
-                    "source": str(planned.hf_dir.resolve()), "items": {}}
+                    "source": str(planned.hf_dir.resolve()), "items": {}, "files": {}}
         write_manifest(root, manifest)
     (root / "config.json").write_bytes((planned.hf_dir / "config.json").read_bytes())
     return manifest
+
+
+def drop_damaged(root: Path, store: ItemStore, manifest: dict) -> list[str]:
+    """Remove from `manifest` (and from disk) every committed item that is no longer whole, so that it is
+    converted again; COMPLETE goes too when there is any. An item committed without a file list (an
+    older converter) is checked by its checksums instead, and its files recorded. Returns the items dropped."""
+    files = manifest.setdefault("files", {})
+    damaged = []
+    for name, leaves in list(manifest["items"].items()):
+        if store.damage(name, files.get(name), leaves) is not None:
+            damaged.append(name)
+            del manifest["items"][name]
+            files.pop(name, None)
+        elif name not in files:
+            files[name] = store.files(name)
+    if damaged:
+        (root / COMPLETE).unlink(missing_ok=True)
+    write_manifest(root, manifest)
+    return damaged
 
 
 def verify_output(root: Path, store: ItemStore, planned: PlannedConversion, manifest: dict) -> None:
@@ -64,6 +89,7 @@ def verify_output(root: Path, store: ItemStore, planned: PlannedConversion, mani
     if bad:
         for name in bad:
             manifest["items"].pop(name, None)
+            manifest.get("files", {}).pop(name, None)
         (root / COMPLETE).unlink(missing_ok=True)
         write_manifest(root, manifest)
         store.remove_all_but(set(manifest["items"]))

@@ -41,7 +41,7 @@ def plan_conversion(hf_dir: str | Path, *, dtype: str = "bfloat16", experts: str
         raise ValueError(f"dtype={dtype!r}: expected one of {DTYPES}")
     if experts is not None and experts not in EXPERT_FORMATS:
         raise ValueError(f"experts={experts!r}: expected one of {EXPERT_FORMATS} or None")
-    hf_dir = Path(hf_dir)
+    hf_dir = Path(hf_dir).absolute()
     cfg = K3Config.from_hf(hf_dir, dtype=dtype)
     index = CheckpointIndex.open(hf_dir)
     if experts is None and source_experts_are_mxfp4(index):

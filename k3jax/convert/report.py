@@ -15,7 +15,7 @@ import numpy as np
 
 from k3jax.checkpoint.names import path_names
 from k3jax.checkpoint.plan import LeafPlan, ReleasePlan
-from k3jax.load.placement import leaf_shardings
+from k3jax.load.placement import check_mesh, leaf_shardings
 from k3jax.model import K3Model
 from k3jax.units import format_bytes
 from sharding import abstract_mesh
@@ -62,6 +62,7 @@ def device_bytes(abstract: K3Model, mesh_spec: str, num_devices: int | None = No
     the largest leaves per device.
     """
     mesh = abstract_mesh(mesh_spec, num_devices)
+    check_mesh(abstract.config, mesh)  # a mesh no load can use has no bytes per device to report
     shardings = leaf_shardings(abstract, mesh)
     per_device, total, split, leaves = 0, 0, 0, []
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:

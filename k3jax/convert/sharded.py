@@ -27,7 +27,6 @@ and Orbax restores are collective): verify afterwards with `convert(..., resume=
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +41,15 @@ from tqdm import tqdm
 
 from k3jax.checkpoint.region import leaf_array
 from k3jax.checkpoint.safetensors_index import CheckpointError
-from k3jax.checkpoint.store import ItemStore, leaf_record, mark_complete, nest, read_manifest, write_manifest
+from k3jax.checkpoint.store import (
+    ItemStore,
+    leaf_record,
+    mark_complete,
+    nest,
+    read_manifest,
+    remove_path,
+    write_manifest,
+)
 from k3jax.convert.output import ConvertResult, open_output, verify_output
 from k3jax.convert.planned import plan_conversion
 from k3jax.load.placement import slot_shardings
@@ -78,11 +85,11 @@ def convert_sharded(
     mesh = make_mesh(mesh)
     planned = plan_conversion(hf_dir, dtype=dtype, experts=experts)
     shardings = slot_shardings(planned.abstract, mesh)
-    root = Path(out_dir)
+    root = Path(out_dir).absolute()  # Orbax needs absolute paths
     store = ItemStore(root)
 
     def open_dir() -> None:
-        manifest = open_output(root, planned, resume)
+        manifest = open_output(root, planned, resume, store)
         store.remove_all_but(set(manifest["items"]))
 
     _on_process_zero(f"open the output directory {root}", open_dir)
@@ -99,7 +106,12 @@ def convert_sharded(
             records = {name: _record(array) for name, array in leaves.items()}
             _save(store, checkpointer, item.name, leaves)
             manifest["items"][item.name] = records
-            _on_process_zero(f"commit {item.name} to {root}", lambda: write_manifest(root, manifest))
+
+            def commit(name: str = item.name) -> None:
+                manifest["files"][name] = store.files(name)
+                write_manifest(root, manifest)
+
+            _on_process_zero(f"commit {item.name} to {root}", commit)
             del leaves
             bar.update(item.nbytes)
     if verify:
@@ -115,8 +127,7 @@ def _save(store: ItemStore, checkpointer: ocp.Checkpointer, item: str, leaves: d
 
     def clear() -> None:
         store.items.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        remove_path(tmp)
 
     _on_process_zero(f"prepare {tmp}", clear)
     checkpointer.save(tmp, nest(leaves))

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from k3jax.checkpoint.names import Slot, abstract_items, model_slots, path_names
 from k3jax.checkpoint.safetensors_index import CheckpointError
-from k3jax.load.placement import leaf_shardings, slot_shardings, stack_into
+from k3jax.load.placement import check_mesh, leaf_shardings, slot_shardings, stack_into
 from k3jax.model import K3Model
 from sharding import enable_expert_parallelism
 
@@ -33,6 +33,8 @@ ReadItem = Callable[[str, dict[Slot, jax.ShapeDtypeStruct], dict[str, NamedShard
 
 def load_model(abstract: K3Model, read_item: ReadItem, mesh: Mesh | None = None) -> K3Model:
     """Fill `abstract` item by item from `read_item`; on `mesh`, every leaf in its NamedSharding."""
+    if mesh is not None:
+        check_mesh(abstract.config, mesh)
     shardings = None if mesh is None else slot_shardings(abstract, mesh)
     arrays: dict[tuple[str, str], jax.Array] = {}
     for item, slots in abstract_items(abstract).items():

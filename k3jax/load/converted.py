@@ -8,6 +8,9 @@ Leaves are cast to the requested dtype, so a float32 conversion loads as bfloat1
 experts load exactly as float32). Experts stored MXFP4-packed load packed (decoded on the fly by
 the model) or, with `experts="bf16"`, decoded at load time (on the host, or on the mesh into the
 decoded leaf's sharding).
+
+Loading checks names, shapes and dtypes only; `verify=True` also checks every leaf's bytes against
+the manifest's crc32, which costs a full read and checksum of every item on the host.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from k3jax.checkpoint.names import EXPERTS_PREFIX, Slot, abstract_items
 from k3jax.checkpoint.safetensors_index import CheckpointError
-from k3jax.checkpoint.store import ItemStore, read_complete_manifest
+from k3jax.checkpoint.store import CHECKSUM, MANIFEST, ItemStore, read_complete_manifest
 from k3jax.config import K3Config
 from k3jax.kernels import Kernels
 from k3jax.load.abstract import abstract_model
@@ -37,21 +40,29 @@ from sharding import make_mesh
 def load_converted(
     path: str | Path, *, dtype: str = "bfloat16", experts: str | None = None,
     kernels: Kernels | Mapping[str, str | None] | None = None, mesh: str | Mesh | None = None,
+    verify: bool = False,
 ) -> K3Model:
     """The model of a COMPLETE conversion in `path` (see `load_items` for the options)."""
-    root = Path(path)
-    return load_items(root, read_complete_manifest(root), dtype=dtype, experts=experts, kernels=kernels, mesh=mesh)
+    root = Path(path).absolute()  # Orbax needs absolute paths
+    return load_items(root, read_complete_manifest(root), dtype=dtype, experts=experts, kernels=kernels, mesh=mesh,
+                      verify=verify)
 
 
 def load_items(
     root: Path, manifest: dict, *, dtype: str, experts: str | None = None,
     kernels: Kernels | Mapping[str, str | None] | None = None, mesh: str | Mesh | None = None,
+    verify: bool = False,
 ) -> K3Model:
     """Build the model from the items `manifest` lists (`--verify` calls this before COMPLETE exists).
 
-    `experts`: None loads them as converted, "mxfp4" needs a packed conversion, "bf16" decodes."""
+    `experts`: None loads them as converted, "mxfp4" needs a packed conversion, "bf16" decodes.
+    `verify`: check each item's leaves against the manifest's checksums before it is used (a full read
+    of every item on the host; with a mesh that read comes on top of the sharded restore)."""
     if experts not in EXPERTS:
         raise ValueError(f"experts={experts!r}: expected one of {EXPERTS}")
+    if verify and manifest.get("checksum") != CHECKSUM:
+        raise CheckpointError(f"{root / MANIFEST} records {manifest.get('checksum', 'sha256')} checksums; "
+                              f"verify=True checks {CHECKSUM} ones: convert again to verify while loading")
     stored_packed = manifest.get("experts") == "mxfp4"
     if experts == "mxfp4" and not stored_packed:
         raise CheckpointError(f"{root} stores decoded routed experts; packed experts need a conversion made "
@@ -76,8 +87,13 @@ def load_items(
         if found != expected:
             diff = sorted(set(found.items()) ^ set(expected.items()))
             raise CheckpointError(f"{root}: item {item!r} does not match the model's leaves: {diff[:3]}")
+        host = store.restore(item) if mesh is None or verify else None
+        if verify:
+            why = store.checksum_mismatch(item, recorded, host)
+            if why is not None:
+                raise CheckpointError(f"{root}: item {item!r} does not match the manifest's checksums: {why}")
         if mesh is None:
-            leaves = store.restore(item)
+            leaves = host
         else:
             leaves = store.restore_sharded(item, {
                 slot.target: jax.ShapeDtypeStruct(leaf.shape, np.dtype(recorded[slot.target]["dtype"]),

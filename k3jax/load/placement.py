@@ -13,11 +13,24 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from k3jax.checkpoint.names import model_slots, path_names
+from k3jax.config import K3Config
 from k3jax.model import K3Model
-from sharding import param_shardings
+from sharding import DEFAULT_RULES, param_shardings
+
+
+def check_mesh(cfg: K3Config, mesh: Mesh | AbstractMesh) -> None:
+    """Refuse a mesh this config cannot run on, before anything is read: routed experts are split
+    evenly over the rules' expert axis (a forward needs E / size experts per device). Heads and widths
+    that an axis does not divide are replicated instead (`sharding.logical_to_spec`), which gives the
+    same results, so they are not errors."""
+    axis = DEFAULT_RULES["exp"]
+    size = mesh.shape.get(axis, 1) if isinstance(axis, str) else 1
+    if size > 1 and cfg.num_experts % size:
+        raise ValueError(f"mesh axis {axis!r} has size {size}, which does not divide the config's "
+                         f"num_experts={cfg.num_experts}: routed experts are split evenly over it")
 
 
 def leaf_shardings(abstract: K3Model, mesh: Mesh) -> dict[str, NamedSharding]:

@@ -42,6 +42,7 @@ def load_hf_model(
     as "expert=8,tensor=8", or a Mesh) places every leaf by `sharding.DEFAULT_RULES` as it is read."""
     if experts not in EXPERTS:
         raise ValueError(f"experts={experts!r}: expected one of {EXPERTS}")
+    path = Path(path).absolute()
     cfg = K3Config.from_hf(path, dtype=dtype)
     return release_model(CheckpointIndex.open(path), cfg, packed_experts=experts == "mxfp4", kernels=kernels,
                          mesh=None if mesh is None else make_mesh(mesh))

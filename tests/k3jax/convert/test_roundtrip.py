@@ -87,7 +87,10 @@ def test_verify_finds_a_corrupted_item_and_resume_repairs_it(tmp_path, golden_di
     leaves = store.restore("layer_006")
     leaves["self_attn.o_proj.weight"][0, 0] += 1.0
     shutil.rmtree(store.path("layer_006"))
-    store.save("layer_006", leaves)  # a silently damaged item under the committed name
+    store.save("layer_006", leaves)  # a silently damaged item under the committed name,
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["files"]["layer_006"] = store.files("layer_006")  # whose files look whole to a resume
+    (out / MANIFEST).write_text(json.dumps(manifest))
 
     with pytest.raises(CheckpointError, match="layer_006: leaf self_attn.o_proj.weight: source float32"):
         convert(golden_dir, out, dtype="float32", resume=True, verify=True, progress=False)
