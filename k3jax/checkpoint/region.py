@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from k3jax.checkpoint.plan import LeafPlan
+from k3jax.checkpoint.release_plan import LeafPlan
 from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex, TensorInfo
 from k3jax.checkpoint.transform import materialize
 

@@ -12,7 +12,7 @@ import os
 import ml_dtypes
 import numpy as np
 
-from k3jax.checkpoint.plan import ItemPlan, LeafPlan
+from k3jax.checkpoint.release_plan import ItemPlan, LeafPlan
 from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex, TensorInfo
 from pallas_kernels.mxfp4 import decode_mxfp4
 

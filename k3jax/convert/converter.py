@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from k3jax.checkpoint.plan import ReleasePlan
+from k3jax.checkpoint.release_plan import ReleasePlan
 from k3jax.checkpoint.store import ItemStore, leaf_record, mark_complete, write_manifest
 from k3jax.checkpoint.transform import item_buffer_bytes, materialize_item
 from k3jax.convert.output import ConvertResult, open_output, verify_output

@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
-from k3jax.checkpoint.plan import ReleasePlan, build_plan, source_experts_are_mxfp4
+from k3jax.checkpoint.release_plan import ReleasePlan, build_plan, source_experts_are_mxfp4
 from k3jax.checkpoint.safetensors_index import CheckpointIndex
 from k3jax.config import K3Config
 from k3jax.load.abstract import abstract_model

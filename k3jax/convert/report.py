@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from k3jax.checkpoint.names import path_names
-from k3jax.checkpoint.plan import LeafPlan, ReleasePlan
+from k3jax.checkpoint.release_plan import LeafPlan, ReleasePlan
 from k3jax.load.placement import check_mesh, leaf_shardings
 from k3jax.model import K3Model
 from k3jax.units import format_bytes

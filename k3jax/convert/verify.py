@@ -14,7 +14,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.checkpoint.plan import ReleasePlan
+from k3jax.checkpoint.release_plan import ReleasePlan
 from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex
 from k3jax.checkpoint.store import CHECKSUM, ItemStore, leaf_record
 from k3jax.checkpoint.transform import materialize

@@ -1,6 +1,6 @@
 """The abstract K3Model: every leaf's shape and dtype, nothing allocated.
 
-Loaders fill it (`assemble`), the release plan is checked against it (`checkpoint.plan`), and the
+Loaders fill it (`assemble`), the release plan is checked against it (`checkpoint.release_plan`), and the
 memory planner compiles programs over it. Routed experts are dense (the model dtype) or MXFP4-packed
 (uint8 codes + E8M0 scales, decoded on the fly by the model). `kernels` is part of the model's
 structure (which implementation each op runs), so it is chosen here, once, for every road that

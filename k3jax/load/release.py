@@ -1,6 +1,6 @@
 """Load a Hugging Face K3 release directory into a K3Model.
 
-The whole plan (`checkpoint.plan`: names, stacked routed experts with MXFP4 decode, the padded
+The whole plan (`checkpoint.release_plan`: names, stacked routed experts with MXFP4 decode, the padded
 `A_log`, casts) is checked against the checkpoint's headers first, so anything missing, unexpected
 or mis-shaped is an error naming the tensor before any tensor data is read. Each item is then made
 by the one transform the converter also uses: whole on the host (`materialize_item`), or on a mesh
@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from k3jax.checkpoint.names import Slot
-from k3jax.checkpoint.plan import build_plan
+from k3jax.checkpoint.release_plan import build_plan
 from k3jax.checkpoint.region import leaf_array
 from k3jax.checkpoint.safetensors_index import CheckpointIndex
 from k3jax.checkpoint.transform import materialize_item
