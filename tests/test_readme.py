@@ -1,4 +1,5 @@
-"""README.md's examples run as written, on the tiny model that ships with k3jax.
+"""README.md's examples run as written, on the tiny model that ships with k3jax; the commands that
+docs/multihost.md launches exist, and `k3jax generate` joins a multi-process job before anything else.
 
 Rules:
 * Every ```python block runs, in order, in one namespace, in a fresh interpreter (as a user would run
@@ -23,17 +24,19 @@ from pathlib import Path
 import pytest
 
 import k3jax.assets
+import k3jax.cli
 from k3jax.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
+MULTIHOST = (REPO / "docs" / "multihost.md").read_text()
 SUBSTITUTIONS = {'"path/to/Kimi-K3"': "str(k3jax.assets.tiny_checkpoint())"}
 NEEDS_REAL_MODEL = ("path/to/Kimi-K3", "configs/kimi_k3.json")
 
 
-def blocks(language: str) -> list[str]:
-    """The README's fenced code blocks of `language`, in order."""
-    return re.findall(rf"^```{language}\n(.*?)^```", README, flags=re.S | re.M)
+def blocks(language: str, text: str = README) -> list[str]:
+    """The fenced code blocks of `language` in `text` (default: the README), in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M)
 
 
 def cli_lines() -> list[str]:
@@ -73,3 +76,33 @@ def test_version_flag_the_readme_names(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.startswith("k3jax ")
+
+
+def multihost_commands() -> list[list[str]]:
+    """Every `k3jax SUBCOMMAND ...` that docs/multihost.md's bash blocks run (continuations joined)."""
+    found = []
+    for block in blocks("bash", MULTIHOST):
+        for line in block.replace("\\\n", " ").splitlines():
+            match = re.search(r"(?:^|[\s/])(?:k3jax|-m k3jax) (\w.*)", line.split("  #")[0])
+            if match:
+                found.append(shlex.split(match.group(1).rstrip("'")))
+    return found
+
+
+def test_multihost_doc_launches_only_commands_and_flags_that_exist(capsys):
+    commands = multihost_commands()
+    assert {command[0] for command in commands} == {"generate", "convert"}
+    for command in commands:
+        with pytest.raises(SystemExit):
+            main([command[0], "--help"])
+        usage = capsys.readouterr().out
+        flags = [arg.split("=")[0] for arg in command if arg.startswith("--")]
+        assert all(flag in usage for flag in flags), (command, usage)
+
+
+def test_generate_joins_the_job_before_reading_the_model(tmp_path, monkeypatch, capsys):
+    """`initialize()` runs first (a no-op on one process), even when the model directory is wrong."""
+    calls = []
+    monkeypatch.setattr(k3jax.cli.distributed, "initialize", lambda: calls.append("initialize"))
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 1
+    assert calls == ["initialize"] and "config.json" in capsys.readouterr().err
