@@ -300,11 +300,14 @@ def _run(args: argparse.Namespace) -> int:
         return _run_convert(args)
     if args.command == "demo":
         _use_fake_cpu_devices()
+        distributed.initialize()  # before JAX lists devices; nothing happens on a single process
         if not _mesh_fits(args.mesh):
             return 2
         return run_demo(prompt=args.prompt, max_new_tokens=args.max_new_tokens, mesh=args.mesh)
     if args.mesh is not None:
         _use_fake_cpu_devices()
+    distributed.initialize()  # generate: join a multi-process job if the environment describes one
+    if args.mesh is not None:
         if not _mesh_fits(args.mesh):
             return 2
     return _run_generation(args)

@@ -61,12 +61,25 @@ def run_demo(*, prompt: str = "Kimi K3 in JAX: ", max_new_tokens: int = 24, mesh
         tokenizer = load_tokenizer(release)
         ids = np.asarray([tokenizer.encode(prompt)], np.int32)
         print(f"4. prompt {prompt!r} -> {ids.shape[1]} tokens; generating {max_new_tokens}:")
-        generate(model, ids, max_new_tokens=max_new_tokens, on_token=lambda tokens: None)  # compile first
-        streamed: list[int] = []
+        print("   compiling prefill and decode...", flush=True)
         start = time.perf_counter()
-        new = generate(model, ids, max_new_tokens=max_new_tokens,
-                       on_token=lambda tokens: streamed.append(int(tokens[0])))
+        generate(model, ids, max_new_tokens=max_new_tokens, on_token=lambda tokens: None)  # compile first
+        print(f"   compiled ({time.perf_counter() - start:.1f} s); streaming: ", end="", flush=True)
+        streamed: list[int] = []
+        shown = ""
+
+        def show(tokens: np.ndarray) -> None:
+            """Print each token's text as it arrives (escaped: random weights emit control bytes)."""
+            nonlocal shown
+            streamed.append(int(tokens[0]))
+            text = tokenizer.decode(streamed)
+            print(repr(text[len(shown):])[1:-1] if text.startswith(shown) else "", end="", flush=True)
+            shown = text
+
+        start = time.perf_counter()
+        new = generate(model, ids, max_new_tokens=max_new_tokens, on_token=show)
         elapsed = time.perf_counter() - start
+        print()
         new_ids = np.asarray(new)[0].tolist()
         if new_ids != streamed:
             raise AssertionError(f"the streamed tokens {streamed} must be the returned ones {new_ids}")
