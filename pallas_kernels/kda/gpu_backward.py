@@ -26,14 +26,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda.chunk_math import C
-from pallas_kernels.kda.gpu_config import INVERSE_WARPS, ChunkProblem, GpuBackwardConfig
+from pallas_kernels.kda.gpu_config import INVERSE_WARPS, ChunkProblem, GpuBackwardConfig, interpret_mode
 from pallas_kernels.kda.gpu_pipeline import pair_matrices
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.triton.backward import TUNING, stage_dstates, stage_grads, stage_states
 from pallas_kernels.kda.triton.intra import chunk_inverses, intra_from_inverse
-from pallas_kernels.kda.triton.intra_blocks import compiler_params, triton_takes
+from pallas_kernels.kda.triton.intra_blocks import compiler_params
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
-from pallas_kernels.platform import current_platform
 
 _F32 = jnp.float32
 
@@ -115,10 +114,7 @@ def gpu_chunk_kda_bwd(
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    interpret = current_platform() != "gpu"
-    if not interpret and not triton_takes(K, V):
-        raise ValueError(f"pallas_gpu KDA backward needs K and V powers of two >= 16 (Triton), "
-                         f"got K={K}, V={V}")
+    interpret = interpret_mode(K, V, "KDA backward")
     n_states = B
     if cu_seqlens is not None:  # packed sequences: run on the chunk-aligned layout
         if B != 1:

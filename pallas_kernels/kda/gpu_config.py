@@ -18,6 +18,7 @@ from pallas_kernels.kda.chunk_math import C
 from pallas_kernels.kda.mosaic_gpu import inter as mosaic_gpu_inter
 from pallas_kernels.kda.mosaic_gpu import pairs as mosaic_gpu_pairs
 from pallas_kernels.kda.triton.intra_blocks import triton_takes
+from pallas_kernels.platform import current_platform
 
 INTER_STAGES = ("fused", "two_pass", "segments")
 STAGE_KERNELS = ("triton", "mosaic_gpu")
@@ -275,3 +276,13 @@ def backward_config(q, v, *, cu_seqlens: object | None = None,
     n_sequences = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
     return GpuBackwardConfig.for_problem(sequence_heads=n_sequences * q.shape[2], K=q.shape[3],
                                          V=v.shape[3], **fixed)
+
+
+def interpret_mode(K: int, V: int, what: str) -> bool:
+    """Whether the GPU kernels run in Pallas interpret mode (off a GPU, as the tests run them); on a
+    GPU the Triton kernels need K and V powers of two >= 16, checked here with `what` named."""
+    if current_platform() != "gpu":
+        return True
+    if not triton_takes(K, V):
+        raise ValueError(f"pallas_gpu {what} needs K and V powers of two >= 16 (Triton), got K={K}, V={V}")
+    return False

@@ -49,16 +49,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kda.chunk_math import C, LOWER_BOUND_MIN
-from pallas_kernels.kda.gpu_config import INTRA_WARPS, INVERSE_WARPS, ChunkProblem, GpuChunkConfig
+from pallas_kernels.kda.gpu_config import INTRA_WARPS, INVERSE_WARPS, ChunkProblem, GpuChunkConfig, interpret_mode
 from pallas_kernels.kda.mosaic_gpu.inter import inter_mgpu
 from pallas_kernels.kda.mosaic_gpu.pairs import intra_pairs_mgpu
 from pallas_kernels.kda.mosaic_gpu.segmented_inter import inter_segments
 from pallas_kernels.kda.reference import host_offsets
 from pallas_kernels.kda.triton.inter import inter_fused, inter_two_pass
 from pallas_kernels.kda.triton.intra import chunk_inverses, intra_pairs, intra_wu
-from pallas_kernels.kda.triton.intra_blocks import compiler_params, triton_takes
+from pallas_kernels.kda.triton.intra_blocks import compiler_params
 from pallas_kernels.kda.varlen_layout import chunk_layout, from_aligned, to_aligned
-from pallas_kernels.platform import current_platform
 
 _F32 = jnp.float32
 
@@ -196,10 +195,7 @@ def _run(q, k, v, g, beta, gate_scale, dt_bias, scale, initial_state, fused, low
     shares a compile."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    interpret = current_platform() != "gpu"
-    if not interpret and not triton_takes(K, V):
-        raise ValueError(f"pallas_gpu KDA needs K and V powers of two >= 16 (Triton), "
-                         f"got K={K}, V={V}")
+    interpret = interpret_mode(K, V, "KDA")
     offsets = None if cu_seqlens is None else host_offsets(cu_seqlens, T)
     if offsets is not None and B != 1:
         raise ValueError(f"cu_seqlens: packed sequences need B == 1, got q shape {q.shape}")
