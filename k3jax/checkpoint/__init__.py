@@ -8,13 +8,9 @@ checkpoints, manifest, checksums and the COMPLETE marker (`store`, `checksum`).
 """
 
 from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex, TensorInfo
-from pallas_kernels.mxfp4 import decode_mxfp4, decode_mxfp4_jax, encode_mxfp4
 
 __all__ = [
     "CheckpointError",
     "CheckpointIndex",
     "TensorInfo",
-    "decode_mxfp4",
-    "decode_mxfp4_jax",
-    "encode_mxfp4",
 ]

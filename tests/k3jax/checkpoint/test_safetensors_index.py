@@ -11,7 +11,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from k3jax.checkpoint import CheckpointError, CheckpointIndex, decode_mxfp4, encode_mxfp4
+from k3jax.checkpoint import CheckpointError, CheckpointIndex
+from pallas_kernels.mxfp4 import decode_mxfp4, encode_mxfp4
 from tests.conftest import GOLDEN_DIR
 
 REPO = Path(__file__).resolve().parents[3]

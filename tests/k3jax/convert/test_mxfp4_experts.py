@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import k3jax
-from k3jax.checkpoint import CheckpointError, CheckpointIndex, decode_mxfp4_jax, encode_mxfp4
+from k3jax.checkpoint import CheckpointError, CheckpointIndex
+from pallas_kernels.mxfp4 import decode_mxfp4_jax, encode_mxfp4
 from k3jax.checkpoint.store import ItemStore
 from k3jax.convert import convert
 from k3jax.nn.moe import MXFP4Weight, PackedRoutedExperts

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.checkpoint import CheckpointError, CheckpointIndex, decode_mxfp4, transform
+from k3jax.checkpoint import CheckpointError, CheckpointIndex, transform
+from pallas_kernels.mxfp4 import decode_mxfp4
 from k3jax.checkpoint.names import abstract_items
 from k3jax.cli import main
 from k3jax.config import K3Config

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import k3jax
-from k3jax.checkpoint import CheckpointError, CheckpointIndex, decode_mxfp4
+from k3jax.checkpoint import CheckpointError, CheckpointIndex
+from pallas_kernels.mxfp4 import decode_mxfp4
 from k3jax.load import release
 from tests.conftest import rel_rms, write_variant
 
