@@ -11,7 +11,7 @@ None: the dispatch policy for this platform).
 from importlib.metadata import PackageNotFoundError, version
 
 from k3jax.config import ConfigError, K3Config
-from k3jax.generate import GenerateOutput, decode_step, generate, left_pad, prefill
+from k3jax.generate import GenerateOutput, decode_step, extend, generate, left_pad, prefill
 from k3jax.kernels import Kernels
 from k3jax.model import K3Model, ModelCache, forward
 from k3jax.pretrained import from_pretrained
@@ -23,5 +23,5 @@ except PackageNotFoundError:  # run from a source tree that is not installed
 
 __all__ = [
     "ConfigError", "GenerateOutput", "K3Config", "K3Model", "Kernels", "ModelCache", "decode_step", "forward",
-    "from_pretrained", "generate", "left_pad", "prefill",
+    "extend", "from_pretrained", "generate", "left_pad", "prefill",
 ]

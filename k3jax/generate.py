@@ -160,6 +160,33 @@ def _decode_step(model: K3Model, cache: ModelCache, tokens: jax.Array) -> tuple[
     return out.logits[:, 0], cache
 
 
+@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("return_all_logits",))
+def _extend(
+    model: K3Model, cache: ModelCache, ids: jax.Array, return_all_logits: bool
+) -> tuple[jax.Array, ModelCache]:
+    out, cache = run_model(model, ids, cache, last_logits_only=not return_all_logits)
+    return (out.logits if return_all_logits else out.logits[:, 0]), cache
+
+
+def extend(
+    model: K3Model, cache: ModelCache, input_ids: jax.Array, *, return_all_logits: bool = False
+) -> tuple[jax.Array, ModelCache]:
+    """Append the tokens [B, T] to every cached sequence: a new chat turn, or one chunk of a prompt.
+
+    Returns (logits of the last position [B, vocab] fp32 — or of every new position [B, T, vocab]
+    with `return_all_logits` — and the updated cache). The cache passed in is donated; use the
+    returned one. The ids are checked like `generate`'s prompt, the batch and room against the cache.
+    """
+    ids = check_input_ids(input_ids, model.config)
+    if ids.shape[0] != _cache_batch(cache):
+        raise ValueError(f"input_ids has batch {ids.shape[0]} but the cache holds batch {_cache_batch(cache)}")
+    if int(cache.length) + ids.shape[1] > cache.capacity:
+        raise ValueError(
+            f"the cache holds {int(cache.length)} of {cache.capacity} tokens: no room for {ids.shape[1]} more"
+        )
+    return _extend(model, cache, ids, bool(return_all_logits))
+
+
 def decode_step(model: K3Model, cache: ModelCache, tokens: jax.Array) -> tuple[jax.Array, ModelCache]:
     """Append one token per sequence (int32 [B]); returns (logits [B, vocab] fp32, updated cache).
 

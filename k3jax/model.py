@@ -176,9 +176,12 @@ def check_input_ids(input_ids: Any, cfg: K3Config, *, name: str = "input_ids", n
 
 def run_model(
     model: K3Model, input_ids: jax.Array, cache: ModelCache | None = None, *, collect_taps: bool = False,
-    start: jax.Array | None = None,
+    start: jax.Array | None = None, last_logits_only: bool = False,
 ) -> tuple[ForwardOutput, ModelCache | None]:
     """The whole forward pass. With a cache, the tokens continue the cached sequence.
+
+    `last_logits_only` computes the logits of the last position only ([B, 1, vocab]): a prompt's
+    continuation needs no more, and all positions' fp32 logits dominate memory for long prompts.
 
     `start` (int32 [B], or taken from the cache) marks left padding: row b's tokens before position
     start[b] are pads. K3 has no positional encoding, so a left-padded row computes exactly what the
@@ -228,7 +231,7 @@ def run_model(
         stream, model.output_attn_res_proj.weight[...][0], model.output_attn_res_norm.weight[...], cfg.rms_norm_eps
     )
     hidden = model.norm(final_mix)
-    logits = linear(hidden, model.lm_head.weight[...]).astype(F32)
+    logits = linear(hidden[:, -1:] if last_logits_only else hidden, model.lm_head.weight[...]).astype(F32)
     out = ForwardOutput(logits, hidden, final_mix, tuple(taps) if collect_taps else None)
     new_cache = ModelCache(head, groups, tail, position + input_ids.shape[1], start) if cache is not None else None
     return out, new_cache

@@ -28,6 +28,23 @@ def test_prefill_then_decode_equals_full_forward(golden_model_fp32, prompt_len):
     assert int(cache.length) == prompt_len + steps
 
 
+@pytest.mark.parametrize("cuts", [(3, 40, 70), (64, 65, 75)])
+def test_extend_in_pieces_equals_full_forward(golden_model_fp32, cuts):
+    """A prompt fed as pieces (chat turns, prefill chunks) continues the cache exactly."""
+    ids = jnp.asarray(np.random.default_rng(7).integers(0, 512, (2, cuts[-1])), jnp.int32)
+    full = np.asarray(golden_model_fp32(ids))
+    logits, cache = k3jax.prefill(golden_model_fp32, ids[:, : cuts[0]], capacity=cuts[-1])
+    for lo, hi in zip(cuts, cuts[1:]):
+        every, cache = k3jax.extend(golden_model_fp32, cache, ids[:, lo:hi], return_all_logits=True)
+        assert every.shape == (2, hi - lo, 512)
+        assert rel_rms(every, full[:, lo:hi]) <= 1e-5, f"piece [{lo}, {hi})"
+    _, cache = k3jax.prefill(golden_model_fp32, ids[:, : cuts[0]], capacity=cuts[-1])
+    last, cache = k3jax.extend(golden_model_fp32, cache, ids[:, cuts[0] :])
+    assert last.shape == (2, 512) and rel_rms(last, full[:, -1]) <= 1e-5
+    with pytest.raises(ValueError, match="no room"):
+        k3jax.extend(golden_model_fp32, cache, ids[:, :1])
+
+
 def test_decode_past_capacity_is_an_error(golden_model_fp32):
     _, cache = k3jax.prefill(golden_model_fp32, jnp.ones((1, 4), jnp.int32), capacity=5)
     _, cache = k3jax.decode_step(golden_model_fp32, cache, jnp.ones((1,), jnp.int32))
