@@ -10,12 +10,14 @@ the model) or, with `experts="bf16"`, decoded at load time (on the host, or on t
 decoded leaf's sharding).
 
 Loading checks names, shapes and dtypes only; `verify=True` also checks every leaf's bytes against
-the manifest's crc32, which costs a full read and checksum of every item on the host.
+the manifest's crc32, which costs a full read and checksum of every item on the host, and the copied
+config and tokenizer files against their sha256 (`text_files` in the manifest).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from collections.abc import Mapping
 
@@ -36,6 +38,8 @@ from k3jax.model import K3Model
 from pallas_kernels.mxfp4 import decode_mxfp4, decode_mxfp4_jax
 from sharding import make_mesh
 
+TEXT_FILES_KEY = "text_files"  # manifest: name -> sha256 of each release text file copied beside the items
+
 
 def load_converted(
     path: str | os.PathLike, *, dtype: str = "bfloat16", experts: str | None = None,
@@ -44,8 +48,25 @@ def load_converted(
 ) -> K3Model:
     """The model of a COMPLETE conversion in `path`, a local directory or a URL (see `load_items`)."""
     root = checkpoint_path(path)  # Orbax needs absolute paths; a URL stays as given
-    return load_items(root, read_complete_manifest(root), dtype=dtype, experts=experts, kernels=kernels, mesh=mesh,
-                      verify=verify)
+    manifest = read_complete_manifest(root)
+    if verify:
+        why = text_file_mismatch(root, manifest)
+        if why is not None:
+            raise CheckpointError(f"{root}: {why}")
+    return load_items(root, manifest, dtype=dtype, experts=experts, kernels=kernels, mesh=mesh, verify=verify)
+
+
+def text_file_mismatch(root: CheckpointPath, manifest: dict) -> str | None:
+    """The first copied text file (config, tokenizer) that is missing or whose sha256 is not the
+    manifest's, or None; a conversion from before text files were recorded has none to check."""
+    for name, digest in manifest.get(TEXT_FILES_KEY, {}).items():
+        path = root / name
+        if not path.is_file():
+            return f"{path} is missing (the manifest records its sha256)"
+        found = hashlib.sha256(path.read_bytes()).hexdigest()
+        if found != digest:
+            return f"{path} has sha256 {found}, the manifest records {digest}"
+    return None
 
 
 def load_items(
