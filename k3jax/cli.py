@@ -26,7 +26,7 @@ from k3jax.generate import generate
 from k3jax.load.paths import checkpoint_path, is_remote, load_config
 from k3jax.memory_plan.command import add_plan_command, int_at_least, run_plan_command
 from k3jax.pretrained import from_pretrained
-from k3jax.tokenizer import Tokenizer, check_text, load_tokenizer
+from k3jax.tokenizer import ByteFallbackWarning, Tokenizer, check_text, load_tokenizer
 from k3jax.units import format_bytes
 from sharding import parse_mesh_spec
 
@@ -327,7 +327,9 @@ def _run(args: argparse.Namespace) -> int:
         distributed.initialize()  # before JAX lists devices; nothing happens on a single process
         if not _mesh_fits(args.mesh):
             return 2
-        return run_demo(prompt=args.prompt, max_new_tokens=args.max_new_tokens, mesh=args.mesh)
+        with warnings.catch_warnings():  # the demo's random tiny model has no tokenizer by design: bytes it is
+            warnings.simplefilter("ignore", ByteFallbackWarning)
+            return run_demo(prompt=args.prompt, max_new_tokens=args.max_new_tokens, mesh=args.mesh)
     if args.mesh is not None:
         _use_fake_cpu_devices()
     distributed.initialize()  # generate: join a multi-process job if the environment describes one
