@@ -221,8 +221,12 @@ def _run_convert(args: argparse.Namespace) -> int:
     if args.out_dir is None and not args.plan_only:
         print("error: OUT_DIR is required unless --plan-only is given", file=sys.stderr)
         return 2
-    if args.mesh is not None and not args.plan_only:
-        _join_conversion_job()
+    if not args.plan_only:
+        _join_conversion_job()  # every conversion: several processes must never each write the whole output
+        if args.mesh is None and jax.process_count() > 1:
+            print(f"error: this is one of {jax.process_count()} processes; a conversion by several processes needs "
+                  "--mesh SPEC (each writes its own devices' slices), or run it as one process", file=sys.stderr)
+            return 2
     try:
         if args.plan_only:
             planned = plan_conversion(args.hf_dir, dtype=args.dtype, experts=args.experts)
