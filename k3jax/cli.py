@@ -227,6 +227,8 @@ def _run_convert(args: argparse.Namespace) -> int:
             print(f"error: this is one of {jax.process_count()} processes; a conversion by several processes needs "
                   "--mesh SPEC (each writes its own devices' slices), or run it as one process", file=sys.stderr)
             return 2
+        if not _mesh_fits(args.mesh):
+            return 2
     try:
         if args.plan_only:
             planned = plan_conversion(args.hf_dir, dtype=args.dtype, experts=args.experts)

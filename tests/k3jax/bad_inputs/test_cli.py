@@ -26,10 +26,11 @@ PLAN = ["plan", "--config", str(REPO / "configs" / "kimi_k3.json")]
 
 @pytest.fixture
 def no_work(monkeypatch):
-    """Loading a model, compiling a plan or running the demo fails the test: errors must come first."""
+    """Loading a model, compiling a plan, converting or running the demo fails the test: errors come first."""
     def forbidden(*args, **kwargs):
         raise AssertionError("slow work started before the command line was checked")
-    for module, name in ((cli, "from_pretrained"), (command, "plan_memory"), (demo, "write_release")):
+    for module, name in ((cli, "from_pretrained"), (command, "plan_memory"), (demo, "write_release"),
+                         (cli, "convert"), (cli, "plan_conversion")):
         monkeypatch.setattr(module, name, forbidden)
 
 
@@ -56,6 +57,9 @@ USAGE_ERRORS = [
     (GEN + ["--prompt", "hi", "--top-k", "x"], "argument --top-k: expected an integer >= 1, got 'x'"),
     (GEN + ["--prompt", "hi", "--seed", "-1"], "argument --seed: expected an integer >= 0"),
     (GEN + ["--prompt", "hi", "--seed", str(2**63)], "argument --seed: expected an integer in [0, 2**63 - 1]"),
+    (GEN + ["--prompt", "hi", "--seed", str(2**70)], "argument --seed: expected an integer in [0, 2**63 - 1]"),
+    (GEN + ["--prompt", "hi", "--seed", "1.5"], "argument --seed: expected an integer >= 0, got '1.5'"),
+    (GEN + ["--prompt", "hi", "--max-new-tokens", "2.5"], "argument --max-new-tokens: expected an integer >= 1, got '2.5'"),
     (GEN + ["--prompt", ""], "argument --prompt: expected non-empty text"),
     (GEN + ["--prompt", "caf\udce9"], "argument --prompt: the text is not valid UTF-8: byte 0xe9 at character 3"),
     (GEN + ["--ids", "1,x"], "argument --ids: expected comma-separated integers"),
@@ -69,6 +73,8 @@ USAGE_ERRORS = [
     (PLAN + ["--mesh", "data=4", "--batch", "0"], "argument --batch: expected an integer >= 1, got 0"),
     (PLAN + ["--mesh", "data=4", "--layers", "1"], "argument --layers: expected an integer >= 2, got 1"),
     (["demo", "--max-new-tokens", "0"], "argument --max-new-tokens: expected an integer >= 1"),
+    (["demo", "--max-new-tokens", "2.5"], "argument --max-new-tokens: expected an integer >= 1, got '2.5'"),
+    (["demo", "--prompt", "caf\udce9"], "argument --prompt: the text is not valid UTF-8: byte 0xe9 at character 3"),
     (["convert", "gs://bucket/Kimi-K3", "out"], "argument HF_DIR: 'gs://bucket/Kimi-K3' is a URL; convert reads and "
                                                 "writes local directories"),
     (["convert", "rel", "s3://bucket/out"], "argument OUT_DIR: 's3://bucket/out' is a URL"),
@@ -97,6 +103,9 @@ CHECKED_ERRORS = [
     (GEN + ["--prompt", "hi", "--mesh", "expert=3"], "--mesh: mesh spec 'expert=3': axis sizes multiply to 3"),
     (GEN + ["--prompt", "hi", "--mesh", "expert=2,"], "--mesh: mesh spec 'expert=2,': part '' is not"),
     (["demo", "--mesh", "expert=3"], "--mesh: mesh spec 'expert=3': axis sizes multiply to 3, but there are 8"),
+    (["demo", "--mesh", "expert=abc"], "--mesh: mesh spec 'expert=abc': size 'abc' of axis 'expert'"),
+    (["convert", str(GOLDEN_DIR), "/nonexistent/out", "--mesh", "expert=3"], "--mesh: mesh spec 'expert=3': axis "
+                                                                              "sizes multiply to 3"),
     (PLAN + ["--mesh", "data=4", "--json", "/nonexistent/plan.json"], "--json /nonexistent/plan.json: the folder"),
 ]
 
