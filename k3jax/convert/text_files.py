@@ -47,10 +47,11 @@ def copy_text_files(hf_dir: Path, root: Path, manifest: dict) -> None:
 def check_text_files(root: Path, hf_dir: Path, manifest: dict) -> None:
     """`--verify`: each copied file matches the manifest's sha256 and the release's file."""
     why = text_file_mismatch(root, manifest)
-    for name, digest in manifest.get(TEXT_FILES_KEY, {}).items():
+    for name, digest in manifest.get(TEXT_FILES_KEY, {}).items() if why is None else ():
         source = _source(hf_dir, name)
-        if why is None and (source is None or hashlib.sha256(source.read_bytes()).hexdigest() != digest):
+        if source is None or hashlib.sha256(source.read_bytes()).hexdigest() != digest:
             why = f"{root / name} differs from {hf_dir / name}"
+            break
     if why is not None:
         raise CheckpointError(f"verification of {root} failed: {why}; `k3jax convert --resume` copies it again")
 

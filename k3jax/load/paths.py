@@ -4,7 +4,7 @@ etils `epath.Path`, Orbax's own path type.
 A local path is made absolute (Orbax needs absolute paths); a URL is kept exactly as given, since
 `pathlib.Path` / `os.path.abspath` would turn `gs://bucket/k3` into `gs:/bucket/k3` or
 `/cwd/gs:/bucket/k3`. Only converted (Orbax) checkpoints load from a URL: a release's safetensors
-shards are memory-mapped, which needs a local file.
+shards are read with positioned reads of local files (`os.preadv`), which a URL does not give.
 """
 
 from __future__ import annotations
