@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -21,9 +23,10 @@ from k3jax.convert import convert, plan_conversion
 from k3jax.convert.report import device_bytes, format_device_bytes, format_release_plan
 from k3jax.demo import run_demo
 from k3jax.generate import generate
+from k3jax.load.paths import checkpoint_path, is_remote, load_config
 from k3jax.memory_plan.command import add_plan_command, int_at_least, run_plan_command
 from k3jax.pretrained import from_pretrained
-from k3jax.tokenizer import Tokenizer, check_text, load_tokenizer
+from k3jax.tokenizer import ByteFallbackWarning, Tokenizer, check_text, load_tokenizer
 from k3jax.units import format_bytes
 from sharding import parse_mesh_spec
 
@@ -77,6 +80,17 @@ def _text(text: str) -> str:
     return text
 
 
+_DECIMAL = re.compile(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*")  # "1.5", "-2", "1e3": meant as ids
+
+
+def _local_dir(text: str) -> Path:
+    """An argparse `type`: a local directory (`convert` reads mapped shards and writes with fsync and renames)."""
+    if is_remote(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a URL; convert reads and writes local directories "
+                                         "(copy the output to remote storage afterwards)")
+    return Path(text)
+
+
 def _stop_ids(values: Sequence[str], tokenizer: Tokenizer, vocab_size: int) -> list[int]:
     """--stop values -> token ids: comma-separated ids, a special token's name, or text of exactly one token."""
     ids: list[int] = []
@@ -84,6 +98,9 @@ def _stop_ids(values: Sequence[str], tokenizer: Tokenizer, vocab_size: int) -> l
         try:
             parts = [int(t) for t in value.split(",") if t.strip()]
         except ValueError:
+            if all(_DECIMAL.fullmatch(t) for t in value.split(",") if t.strip()) and value.strip(", "):
+                raise ValueError(f"--stop {value!r}: expected integer token ids in [0, {vocab_size}) "
+                                 "(or text)") from None
             parts = [tokenizer.special_tokens[value]] if value in tokenizer.special_tokens else tokenizer.encode(value)
             if len(parts) != 1:
                 raise ValueError(f"--stop {value!r}: the text is {len(parts)} tokens {parts}; a stop is one token "
@@ -121,11 +138,16 @@ def _run_generation(args: argparse.Namespace) -> int:
     """Stream the continuation of a prompt (text through the checkpoint's tokenizer, or --ids). Everything
     the command line says is checked before the model loads; stop tokens are not printed."""
     try:
-        config = K3Config.from_hf(args.model / "config.json")
-        tokenizer = load_tokenizer(args.model)
+        args.model = checkpoint_path(args.model)  # a local directory made absolute, or a URL (gs://...) as given
+        config = load_config(args.model)
+        with warnings.catch_warnings(record=True) as caught:  # e.g. the byte-level fallback: one line each
+            warnings.simplefilter("always")
+            tokenizer = load_tokenizer(args.model)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
     try:
         ids = _prompt_ids(args, tokenizer, config)
         stop = [config.eos_token_id] if config.eos_token_id is not None else []
@@ -199,8 +221,14 @@ def _run_convert(args: argparse.Namespace) -> int:
     if args.out_dir is None and not args.plan_only:
         print("error: OUT_DIR is required unless --plan-only is given", file=sys.stderr)
         return 2
-    if args.mesh is not None and not args.plan_only:
-        _join_conversion_job()
+    if not args.plan_only:
+        _join_conversion_job()  # every conversion: several processes must never each write the whole output
+        if args.mesh is None and jax.process_count() > 1:
+            print(f"error: this is one of {jax.process_count()} processes; a conversion by several processes needs "
+                  "--mesh SPEC (each writes its own devices' slices), or run it as one process", file=sys.stderr)
+            return 2
+        if not _mesh_fits(args.mesh):
+            return 2
     try:
         if args.plan_only:
             planned = plan_conversion(args.hf_dir, dtype=args.dtype, experts=args.experts)
@@ -240,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--mesh", metavar="SPEC", default=None, help="default: data=2,expert=2,tensor=2 on 8 devices")
 
     gen = commands.add_parser("generate", help="stream the continuation of a prompt")
-    gen.add_argument("--model", type=Path, required=True, help="HF release or `k3jax convert` directory")
+    gen.add_argument("--model", required=True,
+                     help="HF release or `k3jax convert` directory; a converted one may be a URL (gs://...)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", type=_text,
                         help="prompt text (the checkpoint's tokenizer, bytes if it has none; control-token "
@@ -261,8 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
 
     conv = commands.add_parser("convert", help="convert a Hugging Face release to per-layer Orbax checkpoints")
-    conv.add_argument("hf_dir", type=Path, metavar="HF_DIR", help="Hugging Face release directory")
-    conv.add_argument("out_dir", type=Path, metavar="OUT_DIR", nargs="?", help="output directory")
+    conv.add_argument("hf_dir", type=_local_dir, metavar="HF_DIR", help="Hugging Face release directory")
+    conv.add_argument("out_dir", type=_local_dir, metavar="OUT_DIR", nargs="?",
+                      help="output directory (it gets the release's config and tokenizer files too)")
     conv.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                       help="storage dtype of the bf16 tensors (fp32 tensors stay fp32)")
     conv.add_argument("--experts", choices=("mxfp4", "bf16"), default=None,
@@ -303,7 +333,9 @@ def _run(args: argparse.Namespace) -> int:
         distributed.initialize()  # before JAX lists devices; nothing happens on a single process
         if not _mesh_fits(args.mesh):
             return 2
-        return run_demo(prompt=args.prompt, max_new_tokens=args.max_new_tokens, mesh=args.mesh)
+        with warnings.catch_warnings():  # the demo's random tiny model has no tokenizer by design: bytes it is
+            warnings.simplefilter("ignore", ByteFallbackWarning)
+            return run_demo(prompt=args.prompt, max_new_tokens=args.max_new_tokens, mesh=args.mesh)
     if args.mesh is not None:
         _use_fake_cpu_devices()
     distributed.initialize()  # generate: join a multi-process job if the environment describes one

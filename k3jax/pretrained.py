@@ -2,26 +2,30 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from pathlib import Path
 
 from jax.sharding import Mesh
 
-from k3jax.checkpoint.store import is_converted
+from k3jax.checkpoint.safetensors_index import CheckpointError
+from k3jax.checkpoint.store import MANIFEST, is_converted
 from k3jax.kernels import Kernels
 from k3jax.load import load_converted, load_hf_model
+from k3jax.load.paths import checkpoint_path, is_remote, remote_is_file
 from k3jax.model import K3Model
 
 _DTYPES = ("bfloat16", "float32")
 
 
 def from_pretrained(
-    path: str | Path, *, dtype: str = "bfloat16", mesh: str | Mesh | None = None,
+    path: str | os.PathLike, *, dtype: str = "bfloat16", mesh: str | Mesh | None = None,
     kernels: Kernels | Mapping[str, str | None] | None = None, experts: str | None = None,
     verify: bool = False,
 ) -> K3Model:
     """Load a Hugging Face K3 release directory (config.json, safetensors index and shards), or a
-    directory written by `k3jax convert` (recognised by its manifest; it must be COMPLETE).
+    directory written by `k3jax convert` (recognised by its manifest; it must be COMPLETE). A converted
+    checkpoint may also be a URL such as "gs://bucket/kimi-k3-orbax" (given as a string; read through
+    etils `epath`, as Orbax reads it); a release directory must be local.
 
     `dtype` is the storage and activation dtype of the bf16 tensors (fp32 tensors such as the KDA
     state parameters and the router bias stay fp32). `mesh` ("expert=4,tensor=2", a Mesh, or None for
@@ -45,7 +49,13 @@ def from_pretrained(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {_DTYPES}")
     kernels = Kernels.of(kernels)
-    root = Path(path).absolute()  # once, for every road below (Orbax needs absolute paths)
+    root = checkpoint_path(path)  # once, for every road below: a URL as given, a local path made absolute
+    if is_remote(root):
+        if not remote_is_file(root / MANIFEST):
+            raise CheckpointError(f"{root} has no {MANIFEST}: only `k3jax convert` outputs load from remote "
+                                  "storage; convert the release into a local directory (k3jax convert HF_DIR OUT), "
+                                  "then load OUT or a copy of it at a URL")
+        return load_converted(root, dtype=dtype, experts=experts, kernels=kernels, mesh=mesh, verify=verify)
     if is_converted(root):
         return load_converted(root, dtype=dtype, experts=experts, kernels=kernels, mesh=mesh, verify=verify)
     if verify:

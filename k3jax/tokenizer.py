@@ -21,19 +21,27 @@ The fallback `ByteTokenizer` maps text to its UTF-8 bytes, byte value = id (0..2
 (invalid UTF-8 decodes with U+FFFD); ids >= 256 are special tokens: `bos_id` / `eos_id` / `pad_id`
 (from the directory's config.json when there is one) and any given names; unnamed ones decode to
 nothing. It needs no files, so the tiny test checkpoints (vocab 512, bos 256) can be driven by text.
+`load_tokenizer` falls back to it with a `ByteFallbackWarning` naming the directory, and refuses to
+for a checkpoint with Kimi K3's vocabulary, whose ids mean BPE tokens, not bytes.
+
+The directory may be a URL (`gs://...`, read through etils `epath`, as converted checkpoints are).
 """
 
 from __future__ import annotations
 
-import base64
 import json
+import os
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import tiktoken
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from k3jax.load.paths import checkpoint_path
+from k3jax.tokenizer_files import load_tiktoken_ranks, read_json, read_text_file
 
 # Moonshot's pre-tokenizer split (tokenization_kimi.py), in tiktoken's regex dialect.
 KIMI_PAT_STR = "|".join([
@@ -47,43 +55,16 @@ KIMI_PAT_STR = "|".join([
     r"""\s+""",
 ])
 NUM_RESERVED_SPECIAL_TOKENS = 256
+# Kimi K3's vocabulary (163584 BPE ranks + the reserved special tokens): a checkpoint with it must have
+# its tiktoken.model, never the byte-level fallback.
+KIMI_VOCAB_SIZE = 163_840
 # tiktoken's regex runs in time superlinear in a piece's length: long inputs are cut first (as Kimi's does).
 _MAX_ENCODE_CHARS = 400_000
 _MAX_RUN_CHARS = 25_000
 
 
-def load_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
-    """Parse a tiktoken BPE file: one '<base64 bytes> <rank>' per line (blank lines ignored). Each token
-    and each rank appears once and the ranks are 0..n-1: anything else would shift the special ids."""
-    raw = Path(path).read_bytes()
-    try:
-        text = raw.decode("ascii")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: byte {raw[err.start]:#04x} at offset {err.start} is not ASCII; expected "
-                         "'<base64 token> <rank>' lines") from None
-    ranks: dict[bytes, int] = {}
-    lines: dict[int, int] = {}  # rank -> line number
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            token, rank_text = line.split()
-            token_bytes, rank = base64.b64decode(token, validate=True), int(rank_text)
-        except ValueError as err:
-            raise ValueError(f"{path}:{number}: expected '<base64 token> <rank>', got {line!r}") from err
-        if rank < 0:
-            raise ValueError(f"{path}:{number}: rank {rank} is negative")
-        if rank in lines:
-            raise ValueError(f"{path}:{number}: rank {rank} appears again (first on line {lines[rank]})")
-        if token_bytes in ranks:
-            raise ValueError(f"{path}:{number}: token {token_bytes!r} appears again, with rank {rank} "
-                             f"(first with rank {ranks[token_bytes]})")
-        ranks[token_bytes], lines[rank] = rank, number
-    if len(lines) and max(lines) != len(lines) - 1:
-        missing = next(r for r in range(len(lines)) if r not in lines)
-        raise ValueError(f"{path}: ranks must be 0..{len(lines) - 1} with none missing; rank {missing} is missing "
-                         f"(the largest is {max(lines)})")
-    return ranks
+class ByteFallbackWarning(UserWarning):
+    """A checkpoint without tiktoken.model is tokenized byte by byte (`ByteTokenizer`)."""
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -100,17 +81,6 @@ def check_text(text: str, what: str = "text") -> str:
         detail = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
         raise ValueError(f"{what} is not valid UTF-8: {detail} at character {bad.start()}")
     return text
-
-
-def _read_json(path: Path) -> dict:
-    """A JSON object from `path`; an error names the file (and where the JSON breaks)."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON: {err}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 def _token_name(value: object, field: str, path: Path) -> str | None:
@@ -235,11 +205,11 @@ class TiktokenTokenizer(_ChatTemplateMixin):
         self.bos_id, self.eos_id, self.pad_id = (self.special_tokens.get(t) for t in (bos_token, eos_token, pad_token))
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "TiktokenTokenizer":
-        path = Path(path)
+    def from_dir(cls, path: str | os.PathLike) -> "TiktokenTokenizer":
+        path = checkpoint_path(path)
         ranks = load_tiktoken_ranks(path / "tiktoken.model")
         config_path = path / "tokenizer_config.json"
-        config = _read_json(config_path) if config_path.exists() else {}
+        config = read_json(config_path) if config_path.exists() else {}
         decoder = config.get("added_tokens_decoder", {})
         if not isinstance(decoder, Mapping):
             raise ValueError(f"{config_path}: added_tokens_decoder: expected an object of id -> token, "
@@ -254,7 +224,7 @@ class TiktokenTokenizer(_ChatTemplateMixin):
         special.update({name: i for i, name in added.items() if i >= n and name})  # any beyond the reserved block
         template = _chat_template(config, config_path)
         if template is None and (path / "chat_template.jinja").exists():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+            template = read_text_file(path / "chat_template.jinja")
         names = {key: _token_name(config.get(key), key, config_path)
                  for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
         return cls(ranks, special, chat_template=template, name=path.name or "kimi", **names)
@@ -376,15 +346,18 @@ class ByteTokenizer(_ChatTemplateMixin):
 Tokenizer = TiktokenTokenizer | ByteTokenizer
 
 
-def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """The checkpoint's tokenizer (`tiktoken.model` in `path`), else the byte-level fallback with the
-    bos / eos / pad ids and vocab_size of `path`/config.json when present."""
-    if path is not None and (Path(path) / "tiktoken.model").exists():
-        return TiktokenTokenizer.from_dir(path)
+def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
+    """The checkpoint's tokenizer (`tiktoken.model` in `path`, a directory or a URL), else the byte-level
+    fallback, announced by a `ByteFallbackWarning`, with the bos / eos / pad ids and vocab_size of
+    `path`/config.json when present. A checkpoint whose config has Kimi K3's vocabulary is refused
+    without its tiktoken.model: byte ids would be garbage to it."""
+    root = None if path is None else checkpoint_path(path)
+    if root is not None and (root / "tiktoken.model").exists():
+        return TiktokenTokenizer.from_dir(root)
     ids: dict[str, int | None] = {}
-    config_path = Path(path) / "config.json" if path is not None else None
+    config_path = root / "config.json" if root is not None else None
     if config_path is not None and config_path.exists():
-        config = _read_json(config_path)
+        config = read_json(config_path)
         text = config.get("text_config", {})
         if not isinstance(text, dict):
             raise ValueError(f"{config_path}: text_config: expected an object, got {type(text).__name__}")
@@ -396,4 +369,12 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
                 ids[key] = value
             else:  # ids below 256 are bytes here, so such a special token has no id in this tokenizer
                 ids[key.removesuffix("_token_id") + "_id"] = value if value is not None and value >= 256 else None
+    if ids.get("vocab_size") == KIMI_VOCAB_SIZE:
+        raise ValueError(f"{root} has no tiktoken.model, and its config.json has Kimi K3's vocabulary "
+                         f"(vocab_size {KIMI_VOCAB_SIZE}): the byte-level fallback would feed this model garbage. "
+                         "Put the release's tiktoken.model and tokenizer_config.json in that directory "
+                         "(`k3jax convert` copies them into its output)")
+    where = "no checkpoint directory was given" if root is None else f"{root} has no tiktoken.model"
+    warnings.warn(f"{where}: tokenizing text byte by byte (UTF-8 bytes are ids 0..255; the fallback for "
+                  "test checkpoints, not a real model's tokenizer)", ByteFallbackWarning, stacklevel=2)
     return ByteTokenizer(**ids)

@@ -5,7 +5,9 @@
 
 Planned from headers first (`planned`), written by one process (`converter`) or by every process of
 a mesh, each its own slices (`sharded`), into an output directory that resumes after a kill and
-is verified on request (`output`, `verify`); `--plan-only` prints `report`.
+is verified on request (`output`, `verify`); `--plan-only` prints `report`. The release's config,
+tokenizer and generation files are copied beside the items (`text_files`), so the output loads and
+tokenizes on its own.
 """
 
 from k3jax.convert.converter import convert

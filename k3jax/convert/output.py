@@ -25,6 +25,7 @@ from k3jax.checkpoint.store import (
     write_manifest,
 )
 from k3jax.convert.planned import PlannedConversion
+from k3jax.convert.text_files import check_text_files, copy_text_files
 from k3jax.convert.verify import LOGITS_CHECK_MAX_BYTES, check_logits, find_bad_items
 
 
@@ -39,7 +40,7 @@ class ConvertResult:
 
 def open_output(root: Path, planned: PlannedConversion, resume: bool, store: ItemStore) -> dict:
     """A fresh manifest for an empty or new directory, or the one to resume after checking it matches,
-    its damaged items dropped (`drop_damaged`)."""
+    its damaged items dropped (`drop_damaged`); either way with the release's text files copied again."""
     if root.exists() and any(root.iterdir()):
         check_no_links(root)
         if not resume:
@@ -60,7 +61,8 @@ def open_output(root: Path, planned: PlannedConversion, resume: bool, store: Ite
         manifest = {"format": FORMAT, "version": VERSION, "checksum": CHECKSUM, **planned.settings,
                     "source": str(planned.hf_dir.resolve()), "items": {}, "files": {}}
         write_manifest(root, manifest)
-    (root / "config.json").write_bytes((planned.hf_dir / "config.json").read_bytes())
+    copy_text_files(planned.hf_dir, root, manifest)
+    write_manifest(root, manifest)
     return manifest
 
 
@@ -84,7 +86,8 @@ def drop_damaged(root: Path, store: ItemStore, manifest: dict) -> list[str]:
 
 
 def verify_output(root: Path, store: ItemStore, planned: PlannedConversion, manifest: dict) -> None:
-    """Drop failing items from the manifest (so `--resume` rewrites them) and fail; else check logits."""
+    """Drop failing items from the manifest (so `--resume` rewrites them) and fail; else check the text
+    files and the logits."""
     bad = find_bad_items(store, planned.plan, planned.index, manifest)
     if bad:
         for name in bad:
@@ -96,5 +99,6 @@ def verify_output(root: Path, store: ItemStore, planned: PlannedConversion, mani
         details = "; ".join(f"{name}: {why}" for name, why in bad.items())
         raise CheckpointError(f"verification of {root} failed for {len(bad)} item(s), removed so that "
                               f"--resume rewrites them: {details}")
+    check_text_files(root, planned.hf_dir, manifest)
     if planned.plan.nbytes <= LOGITS_CHECK_MAX_BYTES:
         check_logits(root, manifest, planned.abstract.config, planned.index)

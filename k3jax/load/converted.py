@@ -10,14 +10,16 @@ the model) or, with `experts="bf16"`, decoded at load time (on the host, or on t
 decoded leaf's sharding).
 
 Loading checks names, shapes and dtypes only; `verify=True` also checks every leaf's bytes against
-the manifest's crc32, which costs a full read and checksum of every item on the host.
+the manifest's crc32, which costs a full read and checksum of every item on the host, and the copied
+config and tokenizer files against their sha256 (`text_files` in the manifest).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 from collections.abc import Mapping
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -26,30 +28,49 @@ from jax.sharding import Mesh, NamedSharding
 from k3jax.checkpoint.names import EXPERTS_PREFIX, Slot, abstract_items
 from k3jax.checkpoint.safetensors_index import CheckpointError
 from k3jax.checkpoint.store import CHECKSUM, MANIFEST, ItemStore, read_complete_manifest
-from k3jax.config import K3Config
 from k3jax.kernels import Kernels
 from k3jax.load.abstract import abstract_model
 from k3jax.load.assemble import load_model
+from k3jax.load.paths import CheckpointPath, checkpoint_path, load_config
 from k3jax.load.placement import slot_shardings
 from k3jax.load.release import EXPERTS
 from k3jax.model import K3Model
 from pallas_kernels.mxfp4 import decode_mxfp4, decode_mxfp4_jax
 from sharding import make_mesh
 
+TEXT_FILES_KEY = "text_files"  # manifest: name -> sha256 of each release text file copied beside the items
+
 
 def load_converted(
-    path: str | Path, *, dtype: str = "bfloat16", experts: str | None = None,
+    path: str | os.PathLike, *, dtype: str = "bfloat16", experts: str | None = None,
     kernels: Kernels | Mapping[str, str | None] | None = None, mesh: str | Mesh | None = None,
     verify: bool = False,
 ) -> K3Model:
-    """The model of a COMPLETE conversion in `path` (see `load_items` for the options)."""
-    root = Path(path).absolute()  # Orbax needs absolute paths
-    return load_items(root, read_complete_manifest(root), dtype=dtype, experts=experts, kernels=kernels, mesh=mesh,
-                      verify=verify)
+    """The model of a COMPLETE conversion in `path`, a local directory or a URL (see `load_items`)."""
+    root = checkpoint_path(path)  # Orbax needs absolute paths; a URL stays as given
+    manifest = read_complete_manifest(root)
+    if verify:
+        why = text_file_mismatch(root, manifest)
+        if why is not None:
+            raise CheckpointError(f"{root}: {why}")
+    return load_items(root, manifest, dtype=dtype, experts=experts, kernels=kernels, mesh=mesh, verify=verify)
+
+
+def text_file_mismatch(root: CheckpointPath, manifest: dict) -> str | None:
+    """The first copied text file (config, tokenizer) that is missing or whose sha256 is not the
+    manifest's, or None; a conversion from before text files were recorded has none to check."""
+    for name, digest in manifest.get(TEXT_FILES_KEY, {}).items():
+        path = root / name
+        if not path.is_file():
+            return f"{path} is missing (the manifest records its sha256)"
+        found = hashlib.sha256(path.read_bytes()).hexdigest()
+        if found != digest:
+            return f"{path} has sha256 {found}, the manifest records {digest}"
+    return None
 
 
 def load_items(
-    root: Path, manifest: dict, *, dtype: str, experts: str | None = None,
+    root: CheckpointPath, manifest: dict, *, dtype: str, experts: str | None = None,
     kernels: Kernels | Mapping[str, str | None] | None = None, mesh: str | Mesh | None = None,
     verify: bool = False,
 ) -> K3Model:
@@ -68,7 +89,7 @@ def load_items(
         raise CheckpointError(f"{root} stores decoded routed experts; packed experts need a conversion made "
                               "with --experts mxfp4 (or load the release directory itself)")
     packed = stored_packed if experts is None else experts == "mxfp4"
-    cfg = K3Config.from_hf(root, dtype=dtype)
+    cfg = load_config(root, dtype=dtype)
     abstract = abstract_model(cfg, packed_experts=packed, kernels=kernels)
     stored = abstract if packed == stored_packed else abstract_model(cfg, packed_experts=stored_packed)
     mesh = None if mesh is None else make_mesh(mesh)

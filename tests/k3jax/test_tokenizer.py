@@ -11,11 +11,12 @@ import pytest
 from k3jax.tokenizer import (
     KIMI_PAT_STR,
     NUM_RESERVED_SPECIAL_TOKENS,
+    ByteFallbackWarning,
     ByteTokenizer,
     TiktokenTokenizer,
-    load_tiktoken_ranks,
     load_tokenizer,
 )
+from k3jax.tokenizer_files import load_tiktoken_ranks
 
 MERGES = [b"th", b"the", b" the", b"he", b"ll", b"llo", b"hello", b" w", b" wo", b"or", b"rld", b" world",
           b"in", b"ing", b"er", b" a", b" an", b" and", b"\xe4\xbd", b"\xe4\xbd\xa0", b"\xe5\xa5", b"\xe5\xa5\xbd"]
@@ -120,7 +121,8 @@ def test_bad_rank_file(tmp_path):
 
 
 def test_byte_fallback_round_trip(tmp_path):
-    tok = load_tokenizer(tmp_path)  # no tiktoken.model, no config.json
+    with pytest.warns(ByteFallbackWarning, match=f"{tmp_path} has no tiktoken.model: tokenizing text byte by byte"):
+        tok = load_tokenizer(tmp_path)  # no tiktoken.model, no config.json
     assert isinstance(tok, ByteTokenizer)
     text = "Grüße, 世界! 🌍\n"
     ids = tok.encode(text)
@@ -130,7 +132,8 @@ def test_byte_fallback_round_trip(tmp_path):
 
 
 def test_byte_fallback_reads_special_ids_from_config(golden_dir):
-    tok = load_tokenizer(golden_dir)  # the tiny checkpoint: no tokenizer files, bos 256 / eos 258 / pad 511
+    with pytest.warns(ByteFallbackWarning, match=f"{golden_dir} has no tiktoken.model"):
+        tok = load_tokenizer(golden_dir)  # the tiny checkpoint: no tokenizer files, bos 256 / eos 258 / pad 511
     assert isinstance(tok, ByteTokenizer)
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (256, 258, 511)
     assert tok.decode([tok.bos_id, *tok.encode("hi"), tok.eos_id]) == "hi"
@@ -144,3 +147,8 @@ def test_byte_fallback_named_specials_and_template():
     assert tok.decode(ids) == "<s>ok</s>" and tok.decode(ids, skip_special_tokens=True) == "ok"
     with pytest.raises(ValueError, match="256"):
         ByteTokenizer(special_tokens={"<x>": 3})
+
+
+def test_byte_fallback_without_a_directory_says_so():
+    with pytest.warns(ByteFallbackWarning, match="no checkpoint directory was given: tokenizing text byte by byte"):
+        assert isinstance(load_tokenizer(), ByteTokenizer)

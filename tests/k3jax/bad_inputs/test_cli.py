@@ -26,17 +26,25 @@ PLAN = ["plan", "--config", str(REPO / "configs" / "kimi_k3.json")]
 
 @pytest.fixture
 def no_work(monkeypatch):
-    """Loading a model, compiling a plan or running the demo fails the test: errors must come first."""
+    """Loading a model, compiling a plan, converting or running the demo fails the test: errors come first."""
     def forbidden(*args, **kwargs):
         raise AssertionError("slow work started before the command line was checked")
-    for module, name in ((cli, "from_pretrained"), (command, "plan_memory"), (demo, "write_release")):
+    for module, name in ((cli, "from_pretrained"), (command, "plan_memory"), (demo, "write_release"),
+                         (cli, "convert"), (cli, "plan_conversion")):
         monkeypatch.setattr(module, name, forbidden)
 
 
+FALLBACK = f"warning: {GOLDEN_DIR} has no tiktoken.model: tokenizing text byte by byte"
+
+
 def _error_line(capsys) -> str:
+    """The one error line (after the byte-fallback warning, for the golden checkpoint, which has no tokenizer)."""
     out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and "Traceback" not in err, err
-    return err
+    lines = err.splitlines(keepends=True)
+    if lines and lines[0].startswith(FALLBACK):
+        lines = lines[1:]
+    assert out == "" and len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
 
 
 USAGE_ERRORS = [
@@ -49,6 +57,9 @@ USAGE_ERRORS = [
     (GEN + ["--prompt", "hi", "--top-k", "x"], "argument --top-k: expected an integer >= 1, got 'x'"),
     (GEN + ["--prompt", "hi", "--seed", "-1"], "argument --seed: expected an integer >= 0"),
     (GEN + ["--prompt", "hi", "--seed", str(2**63)], "argument --seed: expected an integer in [0, 2**63 - 1]"),
+    (GEN + ["--prompt", "hi", "--seed", str(2**70)], "argument --seed: expected an integer in [0, 2**63 - 1]"),
+    (GEN + ["--prompt", "hi", "--seed", "1.5"], "argument --seed: expected an integer >= 0, got '1.5'"),
+    (GEN + ["--prompt", "hi", "--max-new-tokens", "2.5"], "argument --max-new-tokens: expected an integer >= 1, got '2.5'"),
     (GEN + ["--prompt", ""], "argument --prompt: expected non-empty text"),
     (GEN + ["--prompt", "caf\udce9"], "argument --prompt: the text is not valid UTF-8: byte 0xe9 at character 3"),
     (GEN + ["--ids", "1,x"], "argument --ids: expected comma-separated integers"),
@@ -62,6 +73,11 @@ USAGE_ERRORS = [
     (PLAN + ["--mesh", "data=4", "--batch", "0"], "argument --batch: expected an integer >= 1, got 0"),
     (PLAN + ["--mesh", "data=4", "--layers", "1"], "argument --layers: expected an integer >= 2, got 1"),
     (["demo", "--max-new-tokens", "0"], "argument --max-new-tokens: expected an integer >= 1"),
+    (["demo", "--max-new-tokens", "2.5"], "argument --max-new-tokens: expected an integer >= 1, got '2.5'"),
+    (["demo", "--prompt", "caf\udce9"], "argument --prompt: the text is not valid UTF-8: byte 0xe9 at character 3"),
+    (["convert", "gs://bucket/Kimi-K3", "out"], "argument HF_DIR: 'gs://bucket/Kimi-K3' is a URL; convert reads and "
+                                                "writes local directories"),
+    (["convert", "rel", "s3://bucket/out"], "argument OUT_DIR: 's3://bucket/out' is a URL"),
 ]
 
 
@@ -78,10 +94,18 @@ CHECKED_ERRORS = [
     (GEN + ["--ids", "1,99999"], "token ids [99999] are outside the vocabulary [0, 512)"),
     (GEN + ["--prompt", "hi", "--stop", "hello"], "--stop 'hello': the text is 5 tokens"),
     (GEN + ["--prompt", "hi", "--stop", "7,512"], "--stop '7,512': expected token ids in [0, 512) or text"),
+    (GEN + ["--prompt", "hi", "--stop", "-1"], "--stop '-1': expected token ids in [0, 512) or text, got [-1]"),
+    (GEN + ["--prompt", "hi", "--stop", "1.5"], "--stop '1.5': expected integer token ids in [0, 512) (or text)"),
+    (GEN + ["--prompt", "hi", "--stop", "3,2.0"], "--stop '3,2.0': expected integer token ids in [0, 512)"),
+    (GEN + ["--prompt", "hi", "--stop", "1e3"], "--stop '1e3': expected integer token ids in [0, 512)"),
+    (GEN + ["--prompt", "hi", "--stop", ","], "--stop ',': expected token ids in [0, 512) or text"),
     (GEN + ["--prompt", "hi", "--top-k", "513"], "--top-k 513: expected at most the vocabulary size 512"),
     (GEN + ["--prompt", "hi", "--mesh", "expert=3"], "--mesh: mesh spec 'expert=3': axis sizes multiply to 3"),
     (GEN + ["--prompt", "hi", "--mesh", "expert=2,"], "--mesh: mesh spec 'expert=2,': part '' is not"),
     (["demo", "--mesh", "expert=3"], "--mesh: mesh spec 'expert=3': axis sizes multiply to 3, but there are 8"),
+    (["demo", "--mesh", "expert=abc"], "--mesh: mesh spec 'expert=abc': size 'abc' of axis 'expert'"),
+    (["convert", str(GOLDEN_DIR), "/nonexistent/out", "--mesh", "expert=3"], "--mesh: mesh spec 'expert=3': axis "
+                                                                              "sizes multiply to 3"),
     (PLAN + ["--mesh", "data=4", "--json", "/nonexistent/plan.json"], "--json /nonexistent/plan.json: the folder"),
 ]
 
@@ -95,6 +119,20 @@ def test_checked_errors_are_one_line_exit_2(no_work, capsys, argv, message):
 def test_missing_model_is_one_line_exit_1(no_work, capsys, tmp_path):
     assert cli.main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 1
     assert "config.json" in _error_line(capsys)
+
+
+def test_byte_fallback_is_one_warning_line(no_work, capsys):
+    assert cli.main(GEN + ["--ids", "1,99999"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith(FALLBACK) and err[1].startswith("error: token ids [99999]"), err
+
+
+def test_kimi_vocabulary_without_a_tokenizer_is_refused(no_work, capsys, tmp_path):
+    config = json.loads((GOLDEN_DIR / "config.json").read_text())
+    config["text_config"]["vocab_size"] = 163840
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert cli.main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 1
+    assert "has no tiktoken.model, and its config.json has Kimi K3's vocabulary" in _error_line(capsys)
 
 
 def test_demo_checks_its_mesh_before_any_work(no_work):

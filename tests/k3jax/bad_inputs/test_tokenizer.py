@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from k3jax.tokenizer import ByteTokenizer, TiktokenTokenizer, check_text, load_tiktoken_ranks, load_tokenizer
+from k3jax.tokenizer import KIMI_VOCAB_SIZE, ByteTokenizer, TiktokenTokenizer, check_text, load_tokenizer
+from k3jax.tokenizer_files import load_tiktoken_ranks
 from tests.k3jax.test_tokenizer import _write_tokenizer_dir
 
 INJECTIONS = [
@@ -150,4 +151,36 @@ def test_bad_tokenizer_config_names_the_file_and_field(tmp_path, edit, message):
 def test_byte_fallback_bad_config_names_the_file_and_field(tmp_path, config, message):
     (tmp_path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
     with pytest.raises(ValueError, match=message):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("config", [
+    {"vocab_size": KIMI_VOCAB_SIZE},
+    {"model_type": "kimi_k3", "text_config": {"vocab_size": KIMI_VOCAB_SIZE, "bos_token_id": 163584}},
+])
+def test_byte_fallback_refuses_kimi_vocabulary(tmp_path, config):
+    """A K3 checkpoint without its tiktoken.model: byte ids 0..255 mean BPE tokens to it, so no fallback."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"{tmp_path} has no tiktoken.model, and its config.json has Kimi K3's "
+                                         rf"vocabulary \(vocab_size 163840\).*tokenizer_config.json"):
+        load_tokenizer(tmp_path)
+    _write_tokenizer_dir(tmp_path)  # with its tokenizer files the same directory loads
+    assert isinstance(load_tokenizer(tmp_path), TiktokenTokenizer)
+
+
+# A file in Latin-1 (0xe9 is "é"), and one in UTF-16 (a BOM 0xff 0xfe first).
+NOT_UTF8 = {"latin-1": ("{\"bos_token\": \"caf\xe9\"}".encode("latin-1"), r"byte 0xe9 at offset 18"),
+            "utf-16": ('{"bos_token": "x"}'.encode("utf-16"), r"byte 0xff at offset 0")}
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "chat_template.jinja", "config.json"])
+@pytest.mark.parametrize("encoding", NOT_UTF8)
+def test_tokenizer_file_that_is_not_utf8_is_named(tmp_path, name, encoding):
+    data, where = NOT_UTF8[encoding]
+    if name != "config.json":  # config.json is read by the byte fallback: no tiktoken.model then
+        _write_tokenizer_dir(tmp_path)
+        if name == "chat_template.jinja":  # read when tokenizer_config.json has no chat_template
+            (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match=rf"{tmp_path / name}: not UTF-8 text: {where}"):
         load_tokenizer(tmp_path)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import jax
+
+from k3jax import cli
 from k3jax.cli import main
 
 
@@ -31,3 +34,15 @@ def test_no_sync_writes_the_same_checkpoint(tmp_path, golden_dir):
     manifests = [json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("a", "b")]
     assert manifests[0]["items"] == manifests[1]["items"]
     assert (tmp_path / "b" / "COMPLETE").is_file()
+
+
+def test_convert_joins_the_job_and_several_processes_need_a_mesh(tmp_path, golden_dir, monkeypatch, capsys):
+    """Under a multi-process launcher every process runs the same command: without --mesh each would
+    write the whole output into the same directory, so that is refused before anything is read."""
+    calls = []
+    monkeypatch.setattr(cli.distributed, "initialize", lambda: calls.append("initialize"))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert main(["convert", str(golden_dir), str(tmp_path / "out")]) == 2
+    assert calls == ["initialize"] and not (tmp_path / "out").exists()
+    assert "error: this is one of 2 processes; a conversion by several processes needs --mesh SPEC" in \
+        capsys.readouterr().err

@@ -159,8 +159,10 @@ def test_cli_mesh_conversion(tmp_path, golden_dir, converted_fp32, capsys):
     assert main(["convert", str(golden_dir), str(tmp_path / "out"), "--dtype", "float32", "--mesh", "expert=8",
                  "--quiet"]) == 0
     assert manifest_items(tmp_path / "out") == manifest_items(converted_fp32)
-    assert main(["convert", str(golden_dir), str(tmp_path / "bad"), "--mesh", "expert=3", "--quiet"]) == 1
-    assert "error: mesh spec 'expert=3': axis sizes multiply to 3, but there are 8 devices" in capsys.readouterr().err
+    assert main(["convert", str(golden_dir), str(tmp_path / "bad"), "--mesh", "expert=3", "--quiet"]) == 2
+    err = capsys.readouterr().err  # checked before anything is read, as generate's --mesh
+    assert "error: --mesh: mesh spec 'expert=3': axis sizes multiply to 3, but there are 8 devices" in err
+    assert not (tmp_path / "bad").exists()
 
 
 def test_non_finite_value_in_a_slice_names_the_tensor_and_rows(tmp_path, golden_dir, golden_tensors):
