@@ -1,6 +1,8 @@
 """The converted directory on disk: per-item Orbax checkpoints, the manifest and the COMPLETE marker.
 
     OUT/config.json         the release's config, so OUT loads on its own
+    OUT/tiktoken.model, tokenizer_config.json, ...  the release's text files (k3jax.convert.text_files),
+                            sha256 in the manifest's "text_files"
     OUT/items/<item>/       one Orbax PyTree checkpoint per item (embed, layer_000 ..., head)
     OUT/manifest.json       settings, plan fingerprint, the checksum algorithm ("crc32", see
                             `checksum`), and per committed item its leaves' shape, dtype and crc32
