@@ -151,8 +151,6 @@ def _declare_tools(out: _Builder, tools: Sequence[Tool], dynamic: bool) -> None:
 def _tool_calls(out: _Builder, calls: Sequence[ToolCall], where: str) -> None:
     out.open("tools")
     for index, call in enumerate(calls, start=1):
-        if not isinstance(call, ToolCall):
-            raise TypeError(f"{where}.tool_calls[{index - 1}]: expected a ToolCall, got {type(call).__name__}")
         out.open("call", [("tool", call.name), ("index", index)])
         if isinstance(call.arguments, RawArguments):
             out.open("json", [("type", "object")])
@@ -229,6 +227,25 @@ def _check_options(thinking: object, tool_choice: object, response_format: objec
         raise TypeError(f"response_format: expected a ResponseFormat or None, got {type(response_format).__name__}")
 
 
+def _check_message(message: object, where: str) -> None:
+    """The fields' types, before anything is encoded (the dataclasses take whatever they are given)."""
+    if not isinstance(message, MESSAGE_TYPES):
+        raise TypeError(f"{where}: expected one of {', '.join(t.__name__ for t in MESSAGE_TYPES)}, "
+                        f"got {type(message).__name__} (see messages_from_dicts for OpenAI-style dicts)")
+    if isinstance(message, NewTools):
+        return
+    content = message.content
+    if isinstance(message, AssistantMessage):
+        if not isinstance(content, str) or not isinstance(message.reasoning, (str, type(None))):
+            raise TypeError(f"{where}: an assistant's content and reasoning must be strings")
+        for j, call in enumerate(message.tool_calls):
+            if not isinstance(call, ToolCall):
+                raise TypeError(f"{where}.tool_calls[{j}]: expected a ToolCall, got {type(call).__name__}")
+    elif not isinstance(content, (str, Sequence)):
+        raise TypeError(f"{where}.content: expected a string or a list of strings and ImageParts, "
+                        f"got {type(content).__name__}")
+
+
 def _render(
     tokenizer: Tokenizer, messages: Sequence[Message], *, tools: Sequence[Tool] | None, thinking: Thinking,
     tool_choice: str, response_format: ResponseFormat | None, add_generation_prompt: bool, train: bool,
@@ -237,9 +254,7 @@ def _render(
     if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages: expected a list of messages, got {type(messages).__name__}")
     for k, message in enumerate(messages):
-        if not isinstance(message, MESSAGE_TYPES):
-            raise TypeError(f"messages[{k}]: expected one of {', '.join(t.__name__ for t in MESSAGE_TYPES)}, "
-                            f"got {type(message).__name__} (see messages_from_dicts for OpenAI-style dicts)")
+        _check_message(message, f"messages[{k}]")
     tools = list(tools or ())
     for k, tool in enumerate(tools):
         if not isinstance(tool, Tool):
