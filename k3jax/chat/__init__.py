@@ -8,11 +8,12 @@ from k3jax.chat.messages import (
     AssistantMessage, ImagePart, Message, NewTools, RawArguments, SystemMessage, Tool, ToolCall, ToolMessage,
     UserMessage, messages_from_dicts, tools_from_dicts,
 )
+from k3jax.chat.parsing import ParsedReply, ReplyParser, parse_reply
 from k3jax.chat.tokens import ControlIds, control_ids, k3_special_tokens, k3_tokenizer
 
 __all__ = [
     "DEFAULT_THINKING", "THINKING_EFFORTS", "AssistantMessage", "ControlIds", "ImagePart", "Message", "NewTools",
-    "RawArguments", "ResponseFormat", "SystemMessage", "Tool", "ToolCall", "ToolMessage", "UserMessage",
+    "ParsedReply", "RawArguments", "ReplyParser", "ResponseFormat", "SystemMessage", "Tool", "ToolCall", "ToolMessage", "UserMessage",
     "control_ids", "encode_for_training", "encode_messages", "k3_special_tokens", "k3_tokenizer",
-    "messages_from_dicts", "tools_from_dicts",
+    "messages_from_dicts", "parse_reply", "tools_from_dicts",
 ]

@@ -41,6 +41,7 @@ class ControlIds:
     media_content: int
     media_end: int
     media_pad: int
+    first_special: int  # ids from here on are special tokens, never text
 
 
 def _reserved_base(tokenizer: Tokenizer) -> int:
@@ -82,7 +83,7 @@ def control_ids(tokenizer: Tokenizer) -> ControlIds:
     return ControlIds(
         open=table[OPEN], close=table[CLOSE], sep=table[SEP], end_of_msg=table[END_OF_MSG],
         media_begin=table[MEDIA_BEGIN], media_content=table[MEDIA_CONTENT], media_end=table[MEDIA_END],
-        media_pad=table[MEDIA_PAD],
+        media_pad=table[MEDIA_PAD], first_special=_reserved_base(tokenizer),
     )
 
 
