@@ -2,7 +2,7 @@
 model's replies, a multi-turn `Chat` that keeps the model's cache between turns."""
 
 from k3jax.chat.encoding import (
-    DEFAULT_THINKING, THINKING_EFFORTS, ResponseFormat, encode_for_training, encode_messages,
+    DEFAULT_THINKING, THINKING_EFFORTS, ResponseFormat, encode_for_training, encode_messages, encode_turn,
 )
 from k3jax.chat.messages import (
     AssistantMessage, ImagePart, Message, NewTools, RawArguments, SystemMessage, Tool, ToolCall, ToolMessage,
@@ -14,6 +14,6 @@ from k3jax.chat.tokens import ControlIds, control_ids, k3_special_tokens, k3_tok
 __all__ = [
     "DEFAULT_THINKING", "THINKING_EFFORTS", "AssistantMessage", "ControlIds", "ImagePart", "Message", "NewTools",
     "ParsedReply", "RawArguments", "ReplyParser", "ResponseFormat", "SystemMessage", "Tool", "ToolCall", "ToolMessage", "UserMessage",
-    "control_ids", "encode_for_training", "encode_messages", "k3_special_tokens", "k3_tokenizer",
+    "control_ids", "encode_for_training", "encode_messages", "encode_turn", "k3_special_tokens", "k3_tokenizer",
     "messages_from_dicts", "parse_reply", "tools_from_dicts",
 ]

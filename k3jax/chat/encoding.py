@@ -249,6 +249,7 @@ def _check_message(message: object, where: str) -> None:
 def _render(
     tokenizer: Tokenizer, messages: Sequence[Message], *, tools: Sequence[Tool] | None, thinking: Thinking,
     tool_choice: str, response_format: ResponseFormat | None, add_generation_prompt: bool, train: bool,
+    preambles: bool = True,
 ) -> _Builder:
     _check_options(thinking, tool_choice, response_format)
     if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
@@ -260,9 +261,9 @@ def _render(
         if not isinstance(tool, Tool):
             raise TypeError(f"tools[{k}]: expected a Tool, got {type(tool).__name__} (see tools_from_dicts)")
     out = _Builder(tokenizer)
-    if tools:
+    if tools and preambles:
         _declare_tools(out, tools, dynamic=False)
-    if thinking is not None:
+    if thinking is not None and preambles:
         out.system("thinking-effort", _EFFORT_TEXT.format(thinking))
     calls: Sequence[ToolCall] = ()
     index = 0
@@ -324,6 +325,18 @@ def encode_messages(
     Generation should stop at `<|end_of_msg|>` (`control_ids(tokenizer).end_of_msg`)."""
     return _render(tokenizer, messages, tools=tools, thinking=thinking, tool_choice=tool_choice,
                    response_format=response_format, add_generation_prompt=add_generation_prompt, train=False).ids
+
+
+def encode_turn(
+    tokenizer: Tokenizer, messages: Sequence[Message], *, thinking: Thinking = DEFAULT_THINKING,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The ids that continue an already encoded conversation with `messages`: no preambles (tools and the
+    thinking effort are stated once, at the start). For a conversation `a` of whole turns and new
+    messages `b` that answer none of a's tool calls,
+    `encode_messages(tok, a + b) == encode_messages(tok, a, add_generation_prompt=False) + encode_turn(tok, b)`."""
+    return _render(tokenizer, messages, tools=None, thinking=thinking, tool_choice="auto", response_format=None,
+                   add_generation_prompt=add_generation_prompt, train=False, preambles=False).ids
 
 
 def encode_for_training(

@@ -87,6 +87,7 @@ class ReplyParser:
         self.calls: list[ToolCall] = []
         self.errors: list[str] = []
         self.finished = False
+        self._responded = not thinking  # the response channel has been opened
         self._tag: list[int] | None = None  # ids of a tag being read (after O or C, until S)
         self._tag_opens = True
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -127,6 +128,7 @@ class ReplyParser:
         while len(self.stack) > parents[-1] + 1:  # e.g. <response> opened with <think> still open: close it
             self.errors.append(f"<{self.stack.pop()}> left open by <{name}>")
         self.stack.append(name)
+        self._responded |= name == "response"
         if name == "call":
             self._call = _Call(attrs.get("tool", ""))
             if "tool" not in attrs:
@@ -198,6 +200,26 @@ class ReplyParser:
             else:
                 self._emit(self._decoder.decode(self.tokenizer.decode_bytes([i])), out)
         return out
+
+    def closing_ids(self) -> list[int]:
+        """The ids that end a reply cut off here as a well-formed message (the open tags closed, an empty
+        response channel if none was opened, `C message S E`), so that a conversation can go on."""
+        if self.finished:
+            return []
+        c, ids = self.c, []
+        if self._tag is not None:  # cut inside a tag: end it as written
+            ids.append(c.sep)
+        stack = list(self.stack)
+        if self._tag is not None and self._tag_opens and self._tag:
+            stack.append(self._tag_decoder_text().partition(" ")[0])
+        for tag in reversed(stack[1:]):
+            ids += [c.close, *self.tokenizer.encode(tag), c.sep]
+        if stack[:1] == ["message"]:
+            if not self._responded and "response" not in stack:
+                ids += [c.open, *self.tokenizer.encode("response"), c.sep, c.close, *self.tokenizer.encode("response"),
+                        c.sep]
+            ids += [c.close, *self.tokenizer.encode("message"), c.sep]
+        return ids + [c.end_of_msg]
 
     def result(self) -> ParsedReply:
         """The reply read so far; bytes of a character not yet complete are shown as U+FFFD and a call not

@@ -9,7 +9,7 @@ import pytest
 
 from k3jax.chat import (
     AssistantMessage, ImagePart, NewTools, RawArguments, ResponseFormat, SystemMessage, Tool, ToolCall, ToolMessage,
-    UserMessage, encode_for_training, encode_messages, messages_from_dicts, tools_from_dicts,
+    UserMessage, encode_for_training, encode_messages, encode_turn, messages_from_dicts, tools_from_dicts,
 )
 from tests.k3jax.chat.helpers import bpe_tokenizer, byte_tokenizer, xtml
 
@@ -204,3 +204,13 @@ def test_decode_gives_the_rendering():
     assert text.startswith('<|open|>message role="system" type="tool-declare"<|sep|># Tools\n')
     assert text.endswith('<|open|>message role="user"<|sep|>Hi<|close|>message<|sep|><|end_of_msg|>'
                          '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+
+
+@pytest.mark.parametrize("thinking", ["high", None])
+def test_a_turn_continues_the_encoded_conversation(tok, thinking):
+    head = [SystemMessage("S"), UserMessage("Hi"), AssistantMessage("A", reasoning="R")]
+    turn = [UserMessage("More"), AssistantMessage("B"), UserMessage("Last")]
+    whole = encode_messages(tok, head + turn, tools=[CLOCK], thinking=thinking)
+    start = encode_messages(tok, head, tools=[CLOCK], thinking=thinking, add_generation_prompt=False)
+    assert whole == start + encode_turn(tok, turn, thinking=thinking)
+    assert encode_turn(tok, [UserMessage("Hi")], thinking=thinking) == xtml(tok, USER_HI + (GEN_THINK if thinking else GEN_RESPONSE))

@@ -112,3 +112,23 @@ def test_typed_values_that_do_not_match_their_type_stay_text():
     parsed = parse_reply(tok, xtml(tok, reply))
     assert parsed.tool_calls == (ToolCall("f", {"b": "1", "n": "true", "s": "null"}),)
     assert len(parsed.errors) == 2 and not parsed.finished
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_closing_ids_end_a_cut_reply_as_a_whole_message(tok, thinking):
+    reply = REPLY if thinking else REPLY[REPLY.index("It is sunny"):]
+    ids = xtml(tok, reply)
+    c = ReplyParser(tok).c
+    for cut in range(len(ids) + 1):
+        parser = ReplyParser(tok, thinking=thinking)
+        parser.feed(ids[:cut])
+        before = parser.result()
+        closed = parse_reply(tok, ids[:cut] + parser.closing_ids(), thinking=thinking)
+        assert closed.finished and closed.reasoning == before.reasoning
+        in_tag = ids[:cut].count(c.open) + ids[:cut].count(c.close) > ids[:cut].count(c.sep)
+        if not in_tag and "call" not in parser.stack:  # cut outside tags and calls: nothing malformed
+            assert closed.errors == () and closed.content == before.content
+    assert parse_reply(tok, xtml(tok, "")).finished is False
+    parser = ReplyParser(tok)
+    assert tok.decode(parser.closing_ids()) == (
+        "<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>")
