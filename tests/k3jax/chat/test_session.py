@@ -3,6 +3,9 @@ and produces exactly what one `k3jax.generate` over the whole conversation so fa
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -56,3 +59,88 @@ def test_turns_continue_the_cache_and_match_generate(golden_model_fp32, monkeypa
     assert chat.cache_length == len(prefix2) + len(second.token_ids) - 1  # grew by the new turn's ids only
     assert chat.messages[:3] == [SystemMessage("Be brief."), UserMessage("Hi"), AssistantMessage(
         first.content, first.reasoning, first.tool_calls)] and chat.messages[3] == UserMessage("More?")
+
+
+class ScriptedChat(Chat):
+    """A Chat whose replies are given (the model still runs every token): checks the bookkeeping."""
+
+    def __init__(self, *args, replies, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.replies, self.script = list(replies), []
+
+    def send(self, text, **kwargs):
+        ids, mask = encode_for_training(self.tokenizer, [self.replies.pop(0)], thinking=self.thinking)
+        self.script = [i for i, m in zip(ids, mask) if m]  # what the model would write after the prompt
+        return super().send(text, **kwargs)
+
+    def _next_token(self, logits, key):
+        return self.script.pop(0)
+
+
+def test_history_reencodes_as_the_messages(golden_model_fp32, monkeypatch):
+    """Replies in the grammar, the first cut off at max_new_tokens and closed: the token history is the
+    messages' encoding. Same system, thinking and first message as above: the compiled prefill is reused."""
+    tok, counter = byte_tokenizer(), CountingPrefill(monkeypatch)
+    chat = ScriptedChat(golden_model_fp32, tok, system="Be brief.", thinking="high", max_new_tokens=40,
+                        temperature=0.0, replies=[AssistantMessage("", "x" * 60), AssistantMessage("Hi!", "Go.")])
+    replies = [chat.send(text) for text in ("Hi", "Why?")]
+    assert [(r.reasoning, r.content, r.finished) for r in replies] == [("x" * 40, "", False), ("Go.", "Hi!", True)]
+    assert chat.messages[2::2] == [AssistantMessage("", "x" * 40), AssistantMessage("Hi!", "Go.")]
+    assert chat.token_ids == encode_messages(tok, chat.messages, thinking="high", add_generation_prompt=False)
+    assert chat.cache_length == len(chat.token_ids) - 1 and len(counter.calls) == 1
+    chat.reset()
+    assert (chat.messages, chat.token_ids, chat.cache_length) == ([SystemMessage("Be brief.")], [], 0)
+
+
+class FakeCache(NamedTuple):
+    length: int
+    capacity: int
+
+
+class FakeModelCalls:
+    """prefill / extend / decode_step that only count tokens against the capacity (no model runs), so the
+    capacity policy is checked without compiling anything."""
+
+    def __init__(self, monkeypatch, vocab):
+        self.prefills, self.vocab = [], vocab
+        for name in ("prefill", "extend", "decode_step"):
+            monkeypatch.setattr(session_module, name, getattr(self, name))
+
+    def prefill(self, model, ids, *, capacity):
+        assert ids.shape[1] <= capacity
+        self.prefills.append((ids.shape[1], capacity))
+        return jnp.zeros((1, ids.shape[1], self.vocab)), FakeCache(ids.shape[1], capacity)
+
+    def extend(self, model, cache, ids):
+        assert cache.length + ids.shape[1] <= cache.capacity, "extend past the capacity"
+        return jnp.zeros((1, self.vocab)), FakeCache(cache.length + ids.shape[1], cache.capacity)
+
+    def decode_step(self, model, cache, tokens):
+        assert cache.length < cache.capacity, "decode_step on a full cache"
+        return jnp.zeros((1, self.vocab)), FakeCache(cache.length + 1, cache.capacity)
+
+
+def test_the_cache_grows_when_full(golden_model_fp32, monkeypatch):
+    """Capacities in steps of 64: a turn that does not fit (with room for max_new_tokens) gets a cache
+    twice as large, or what it needs if more, filled once with the whole conversation; a turn that fits
+    only extends."""
+    tok, calls = byte_tokenizer(), FakeModelCalls(monkeypatch, golden_model_fp32.config.vocab_size)
+    monkeypatch.setattr(session_module, "CAPACITY_STEP", 64)
+    replies = [AssistantMessage("Hello!"), AssistantMessage("Fine."), AssistantMessage("y" * 35),
+               AssistantMessage("z"), AssistantMessage("w" * 300)]
+    chat = ScriptedChat(golden_model_fp32, tok, thinking=None, max_new_tokens=400, temperature=0.0, replies=replies)
+    seen = set()
+    for text in ("Hi", "Ok", "Long", "Again", "x" * 500):
+        cached, cap, before = chat.cache_length, chat.cache_capacity, len(calls.prefills)
+        reply = chat.send(text)
+        prompt = len(chat.token_ids) - len(reply.token_ids)  # the conversation up to this reply
+        needed = prompt + 400
+        if cap and needed <= cap:
+            seen.add("extended")
+            assert len(calls.prefills) == before and chat.cache_capacity == cap
+        else:
+            seen.add("grown" if cap else "first")
+            assert calls.prefills[before:] == [(prompt, -(-max(needed, 2 * cap) // 64) * 64)]
+        assert chat.cache_length == len(chat.token_ids) - 1 and chat.cache_length > cached
+    assert seen == {"first", "extended", "grown"}
+    assert chat.token_ids == encode_messages(tok, chat.messages, thinking=None, add_generation_prompt=False)
