@@ -5,7 +5,7 @@
 
 The reply streams as it is produced: the reasoning first (dimmed on a terminal, after "thinking:"),
 then the answer after "answer:", then any tool calls. `/reset` starts the conversation over, `/exit`
-or end of input (Ctrl-D) quits. Every option is checked, and the tokenizer read, before the model loads.
+or end of input (Ctrl-D) quits; Ctrl-C during a reply drops that turn. Every option is checked, and the tokenizer read, before the model loads.
 Control characters in the model's text are shown escaped, so a reply cannot drive the terminal.
 """
 
@@ -159,7 +159,12 @@ def run_chat_command(args: argparse.Namespace) -> int:
             print(f"error: {err}", file=out)
             continue
         printer = _Printer(out)
-        reply = chat.send(line, on_text=printer)
+        try:
+            reply = chat.send(line, on_text=printer)
+        except KeyboardInterrupt:  # Ctrl-C during a reply drops the turn; at the prompt it quits
+            printer.end_channel()
+            print("[interrupted: the turn was dropped]", file=out)
+            continue
         printer.end_channel()
         for call in reply.tool_calls:
             print(f"tool call: {_visible(_format_call(call))}", file=out)

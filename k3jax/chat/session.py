@@ -113,14 +113,14 @@ class Chat:
 
     def _run(self, new: Sequence[int]) -> jax.Array:
         """Put `new` ids after the cached ones; returns the last position's logits [1, vocab]."""
-        cached = len(self.token_ids) - len(self._pending)
-        needed = cached + len(new) + self.max_new_tokens
-        if self._cache is not None and needed <= self._cache.capacity:
+        history = self.token_ids[: len(self.token_ids) - len(self._pending)]  # what the cache holds
+        if self._cache is not None and len(history) + len(new) + self.max_new_tokens <= self._cache.capacity:
             logits, self._cache = extend(self.model, self._cache, jnp.asarray([new], jnp.int32))
             return logits
-        # First turn, or the cache is full: a larger one, filled with the whole conversation once.
-        capacity = max(needed, 2 * self.cache_capacity, self.initial_capacity or 0)
-        ids = self.token_ids[:cached] + list(new)
+        # First turn, no cache (dropped by an interruption), or the cache is full: a new one, twice as
+        # large as the last, filled with the whole conversation once.
+        ids = history + list(new)
+        capacity = max(len(ids) + self.max_new_tokens, 2 * self.cache_capacity, self.initial_capacity or 0)
         logits, self._cache = prefill(self.model, jnp.asarray([ids], jnp.int32), capacity=_round_up(capacity))
         return logits[:, -1]
 
@@ -130,24 +130,40 @@ class Chat:
 
     def send(self, text: str, *, on_text: Callable[[Channel, str], object] | None = None) -> Reply:
         """Add a user turn and generate the reply. `on_text(channel, text)` is called with each new piece
-        of text as it is produced, channel "reasoning", "content" or "tool" (tool-call arguments)."""
+        of text as it is produced, channel "reasoning", "content" or "tool" (tool-call arguments).
+
+        If the turn is interrupted (an exception, Ctrl-C), the conversation is as it was before it and
+        the cache is dropped: the next turn prefills the conversation once."""
         check_text(text, "text")
         user = UserMessage(text)
-        if self._cache is None:
+        if not self.token_ids:
             turn = encode_messages(self.tokenizer, [*self.messages, user], thinking=self.thinking)
         else:
             turn = encode_turn(self.tokenizer, [user], thinking=self.thinking)
-        last = self._run(self._pending + turn)
-        self.messages.append(user)
-        self.token_ids += turn
+        try:
+            reply, parser = self._generate(self._pending + turn, on_text)
+        except BaseException:
+            self._cache = None  # it may hold part of this turn
+            raise
+        parsed = parser.result()
+        closing = parser.closing_ids()
+        self.messages += [user, parsed.to_message()]
+        self.token_ids += turn + reply + closing
+        self._pending = reply[-1:] + closing
+        return Reply(parsed.reasoning, parsed.content, parsed.tool_calls, tuple(reply), parsed.finished, parsed.errors)
+
+    def _generate(
+        self, new: list[int], on_text: Callable[[Channel, str], object] | None
+    ) -> tuple[list[int], ReplyParser]:
+        """Run `new` after the cached ids, then decode the reply; the ids generated and their parser."""
+        last = self._run(new)
         parser = ReplyParser(self.tokenizer, thinking=self.thinking is not None)
         key = jax.random.key(self.seed)
         reply: list[int] = []
         for i in range(self.max_new_tokens):
             if i:
                 last, self._cache = decode_step(self.model, self._cache, jnp.asarray(reply[-1:], jnp.int32))
-            token = self._next_token(last, jax.random.fold_in(key, self._steps))
-            self._steps += 1
+            token = self._next_token(last, jax.random.fold_in(key, self._steps + i))
             reply.append(token)
             pieces = parser.feed([token])
             if token == self.control.end_of_msg or i + 1 == self.max_new_tokens:
@@ -157,9 +173,5 @@ class Chat:
                     on_text(channel, piece)
             if token == self.control.end_of_msg:
                 break
-        parsed = parser.result()
-        closing = parser.closing_ids()
-        self.messages.append(parsed.to_message())
-        self.token_ids += reply + closing
-        self._pending = reply[-1:] + closing
-        return Reply(parsed.reasoning, parsed.content, parsed.tool_calls, tuple(reply), parsed.finished, parsed.errors)
+        self._steps += len(reply)
+        return reply, parser
