@@ -13,7 +13,8 @@ from k3jax.chat.tokens import ControlIds, control_ids, k3_special_tokens, k3_tok
 
 __all__ = [
     "DEFAULT_THINKING", "THINKING_EFFORTS", "AssistantMessage", "ControlIds", "ImagePart", "Message", "NewTools",
-    "ParsedReply", "RawArguments", "ReplyParser", "ResponseFormat", "SystemMessage", "Tool", "ToolCall", "ToolMessage", "UserMessage",
+    "ParsedReply", "RawArguments", "ReplyParser", "ResponseFormat", "SystemMessage", "Tool", "ToolCall",
+    "ToolMessage", "UserMessage",
     "control_ids", "encode_for_training", "encode_messages", "encode_turn", "k3_special_tokens", "k3_tokenizer",
     "messages_from_dicts", "parse_reply", "tools_from_dicts",
 ]

@@ -50,7 +50,8 @@ TOOL_CHOICES = ("auto", "required", "none")
 _EFFORT_TEXT = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
                 "channel), supported values include `low`, `medium`, `high`, and `max`.\n"
                 "Now the system is invoked with `thinking_effort={}`.")
-_RAW_JSON_NOTE = "Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting."
+_RAW_JSON_NOTE = ("Your response must be raw JSON data without markdown code blocks (```json) or any additional "
+                  "formatting.")
 
 
 @dataclass(frozen=True)
@@ -299,7 +300,8 @@ def _render(
                                   f"You MUST {must} in the next message.")
     if response_format is not None:
         if response_format.schema is None:
-            out.system("response-format", f"The system is invoked with `response_format=json_object`.\n{_RAW_JSON_NOTE}")
+            out.system("response-format",
+                       f"The system is invoked with `response_format=json_object`.\n{_RAW_JSON_NOTE}")
         else:
             out.system("response-format", "The system is invoked with `response_format=json_schema`.\n"
                        f"{_RAW_JSON_NOTE}\nThe JSON data must match the following schema:\n"

@@ -5,7 +5,8 @@
 
 The reply streams as it is produced: the reasoning first (dimmed on a terminal, after "thinking:"),
 then the answer after "answer:", then any tool calls. `/reset` starts the conversation over, `/exit`
-or end of input (Ctrl-D) quits; Ctrl-C during a reply drops that turn. Every option is checked, and the tokenizer read, before the model loads.
+or end of input (Ctrl-D) quits; Ctrl-C during a reply drops that turn. Every option is checked, and
+the tokenizer read, before the model loads.
 Control characters in the model's text are shown escaped, so a reply cannot drive the terminal.
 """
 

@@ -65,7 +65,9 @@ def _round_up(n: int) -> int:
 
 class Chat:
     """A conversation with `model`; see the module docstring. Sampling: `temperature` (0 = greedy; the
-    release's generation_config uses 1.0), `top_p`, `top_k`; `seed` makes it reproducible."""
+    release's generation_config uses 1.0), `top_p`, `top_k`; `seed` makes it reproducible (token i of
+    the conversation's replies draws with `fold_in(key(seed), i)`). `capacity`: the first cache's size
+    (default: what the first turn needs)."""
 
     def __init__(
         self, model: K3Model, tokenizer: Tokenizer, *, system: str | None = None,

@@ -11,9 +11,10 @@ from k3jax.chat import (
     AssistantMessage, ImagePart, ToolCall, ToolMessage, UserMessage, control_ids, encode_messages, k3_tokenizer,
     messages_from_dicts,
 )
+from k3jax.chat.session import Chat
 from k3jax.cli import main
 from k3jax.tokenizer import ByteTokenizer, load_tokenizer
-from tests.k3jax.chat.helpers import bpe_tokenizer
+from tests.k3jax.chat.helpers import GOLDEN_DIR, bpe_tokenizer
 from tests.k3jax.test_tokenizer import _write_tokenizer_dir
 
 
@@ -97,3 +98,26 @@ def test_chat_command_checks_the_checkpoint_before_loading(tmp_path, capsys, gol
     _write_tokenizer_dir(tmp_path)  # a K2-style tokenizer beside the tiny config: refused before any weight loads
     assert main(["chat", "--model", str(tmp_path)]) == 1
     assert "but K3's is '<|open|>'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"thinking": "medium"}, r"thinking='medium': expected one of low, high, max, or None"),
+    ({"max_new_tokens": 0}, r"max_new_tokens=0: expected an integer >= 1"),
+    ({"max_new_tokens": 2.0}, r"max_new_tokens=2.0: expected an integer >= 1"),
+    ({"seed": -1}, r"seed=-1: expected an integer >= 0"),
+    ({"seed": 2**32}, r"seed=4294967296: expected an integer in \[0, 2\*\*32 - 1\]"),
+    ({"temperature": -0.5}, r"temperature=-0.5: expected a finite number >= 0"),
+    ({"top_p": 0}, r"top_p=0: expected 0 < top_p <= 1"),
+    ({"capacity": 0}, r"capacity=0: expected an integer >= 1"),
+    ({"system": "caf\udce9"}, r"system is not valid UTF-8: byte 0xe9"),
+])
+def test_bad_chat_settings(golden_model_fp32, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Chat(golden_model_fp32, k3_tokenizer(load_tokenizer(GOLDEN_DIR)), **kwargs)
+
+
+def test_chat_model_and_tokenizer_must_belong_together(golden_model_fp32):
+    with pytest.raises(ValueError, match=r"the model's eos_token_id=258 is not the tokenizer's <\|end_of_msg\|> \(\d+\)"):
+        Chat(golden_model_fp32, bpe_tokenizer())
+    with pytest.raises(ValueError, match=r"text: expected a string, got int"):
+        Chat(golden_model_fp32, k3_tokenizer(load_tokenizer(GOLDEN_DIR))).send(3)
