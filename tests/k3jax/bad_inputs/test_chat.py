@@ -119,5 +119,5 @@ def test_bad_chat_settings(golden_model_fp32, kwargs, message):
 def test_chat_model_and_tokenizer_must_belong_together(golden_model_fp32):
     with pytest.raises(ValueError, match=r"the model's eos_token_id=258 is not the tokenizer's <\|end_of_msg\|> \(\d+\)"):
         Chat(golden_model_fp32, bpe_tokenizer())
-    with pytest.raises(ValueError, match=r"text: expected a string, got int"):
+    with pytest.raises(TypeError, match=r"text: expected a string, got int"):
         Chat(golden_model_fp32, k3_tokenizer(load_tokenizer(GOLDEN_DIR))).send(3)
