@@ -282,7 +282,11 @@ def forward_images(
     return _forward_images(model, ids, images, start), start
 
 
+def embed_images(model: K3Model, ids: jax.Array, images: ImageInputs) -> jax.Array:
+    """The merged input embeddings of prompts with images (`k3jax.vision.embed`), for `run_model`."""
+    return image_embeds(model.embed_tokens, model.vision_tower, model.mm_projector, ids, images)
+
+
 @jax.jit
 def _forward_images(model: K3Model, ids: jax.Array, images: ImageInputs, start: jax.Array | None) -> jax.Array:
-    embeds = image_embeds(model.embed_tokens, model.vision_tower, model.mm_projector, ids, images)
-    return run_model(model, None, start=start, inputs_embeds=embeds)[0].logits
+    return run_model(model, None, start=start, inputs_embeds=embed_images(model, ids, images))[0].logits
