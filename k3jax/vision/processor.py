@@ -123,9 +123,7 @@ def load_image(path: str | Path) -> Image.Image:
             image = ImageOps.exif_transpose(opened)
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
         raise ValueError(f"cannot decode image file {path}: {err}") from None
-    if getattr(image, "n_frames", 1) > 1:
-        raise ValueError(f"image file {path} has {image.n_frames} frames: video and animations are not supported")
-    return image
+    return image  # an animated file: its first frame, as the release's processor takes it
 
 
 def _chessboard(height: int, width: int, cfg: ProcessorConfig) -> np.ndarray:
