@@ -101,6 +101,12 @@ class VisionTower(nnx.Module):
         self.patch_embed = PatchEmbed(cfg, dtype=dtype, rngs=rngs)
         self.encoder = Encoder(cfg, dtype=dtype, rngs=rngs, attention=attention)
 
+    def use_attention(self, implementation: str | None) -> None:
+        """Run attention with another implementation of `k3jax.vision.attention` (None: the policy);
+        the next jitted call compiles for it."""
+        for block in self.encoder.blocks:
+            block.attention = implementation
+
     def encode(self, pixels: jax.Array, grids: tuple[Grid, ...]) -> jax.Array:
         """pixel_values [L, 3, p, p] -> per-patch features after the final norm [L, hidden]."""
         x = self.patch_embed(pixels, grids)
