@@ -106,10 +106,12 @@ class FakeModelCalls:
         for name in ("prefill", "extend", "decode_step"):
             monkeypatch.setattr(session_module, name, getattr(self, name))
 
-    def prefill(self, model, ids, *, capacity):
-        assert ids.shape[1] <= capacity
-        self.prefills.append((ids.shape[1], capacity))
-        return jnp.zeros((1, ids.shape[1], self.vocab)), FakeCache(ids.shape[1], capacity)
+    def prefill(self, model, ids, *, capacity, pixel_values=None, grid_thws=None):
+        """Counts the placeholders as the model expands them: (h/2)(w/2) positions per image."""
+        length = ids.shape[1] + (0 if grid_thws is None else int((grid_thws[:, 1] * grid_thws[:, 2] // 4 - 1).sum()))
+        assert length <= capacity
+        self.prefills.append((ids.shape[1], capacity) if grid_thws is None else (ids.shape[1], capacity, len(grid_thws)))
+        return jnp.zeros((1, length, self.vocab)), FakeCache(length, capacity)
 
     def extend(self, model, cache, ids):
         assert cache.length + ids.shape[1] <= cache.capacity, "extend past the capacity"
