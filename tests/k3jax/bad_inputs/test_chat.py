@@ -3,7 +3,10 @@ a row; add rows to extend."""
 
 from __future__ import annotations
 
+import io
+import json
 import re
+import sys
 
 import pytest
 
@@ -11,6 +14,7 @@ from k3jax.chat import (
     AssistantMessage, ImagePart, ToolCall, ToolMessage, UserMessage, control_ids, encode_messages, k3_tokenizer,
     messages_from_dicts,
 )
+from k3jax.chat.repl import _loop
 from k3jax.chat.session import Chat
 from k3jax.cli import main
 from k3jax.tokenizer import ByteTokenizer, load_tokenizer
@@ -121,3 +125,30 @@ def test_chat_model_and_tokenizer_must_belong_together(golden_model_fp32):
         Chat(golden_model_fp32, bpe_tokenizer())
     with pytest.raises(TypeError, match=r"text: expected a string, got int"):
         Chat(golden_model_fp32, k3_tokenizer(load_tokenizer(GOLDEN_DIR))).send(3)
+
+
+def test_chat_command_checks_images_before_loading(tmp_path, capsys, golden_dir):
+    assert main(["chat", "--model", str(golden_dir), "--image", str(tmp_path / "none.png")]) == 2
+    assert f"image file {tmp_path / 'none.png'} does not exist" in capsys.readouterr().err
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    assert main(["chat", "--model", str(golden_dir), "--image", str(tmp_path / "bad.png")]) == 2
+    assert f"cannot decode image file {tmp_path / 'bad.png'}" in capsys.readouterr().err
+    config = json.loads((golden_dir / "config.json").read_text())
+    del config["vision_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["chat", "--model", str(tmp_path), "--image", str(tmp_path / "bad.png")]) == 2
+    assert "has no vision_config (a text-only model)" in capsys.readouterr().err
+
+
+def test_chat_repl_commands_without_a_reply(golden_model_fp32, monkeypatch, capsys, tmp_path):
+    """Lines that never reach the model: unknown commands, /image errors, blank lines, then /exit."""
+    chat = Chat(golden_model_fp32, k3_tokenizer(load_tokenizer(GOLDEN_DIR)))
+    lines = ["/help", f"/image {tmp_path / 'none.png'}", "   ", "/exit", "never read"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert _loop(chat, [], has_vision=True, out=sys.stdout) == 0
+    out = capsys.readouterr().out
+    assert "unknown command /help (/image PATH attaches" in out
+    assert f"error: image file {tmp_path / 'none.png'} does not exist" in out
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {tmp_path / 'none.png'}\n"))
+    assert _loop(chat, [], has_vision=False, out=sys.stdout) == 0
+    assert "error: this model has no vision tower" in capsys.readouterr().out
