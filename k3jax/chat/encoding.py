@@ -242,6 +242,10 @@ def _check_message(message: object, where: str) -> None:
         for j, call in enumerate(message.tool_calls):
             if not isinstance(call, ToolCall):
                 raise TypeError(f"{where}.tool_calls[{j}]: expected a ToolCall, got {type(call).__name__}")
+            if not isinstance(call.name, str) or not isinstance(call.arguments, (Mapping, RawArguments)):
+                raise TypeError(f"{where}.tool_calls[{j}]: expected a string name and arguments as a dict or "
+                                f"RawArguments, got {type(call.name).__name__} and {type(call.arguments).__name__} "
+                                "(ToolCall.from_json_text reads a JSON string)")
     elif not isinstance(content, (str, Sequence)):
         raise TypeError(f"{where}.content: expected a string or a list of strings and ImageParts, "
                         f"got {type(content).__name__}")

@@ -53,6 +53,8 @@ def test_tokenizers_without_k3_specials(tokenizer, message):
      r"messages\[0\].tool_calls\[0\].arguments\['k'\]: expected a JSON value, got object"),
     ({}, [AssistantMessage("", tool_calls=("f",))], TypeError, r"messages\[0\].tool_calls\[0\]: expected a ToolCall"),
     ({}, [ToolMessage("r")], ValueError, r"messages\[0\]: a tool result with no tool name"),
+    ({}, [AssistantMessage("", tool_calls=(ToolCall("f", '{"a": 1}'),))], TypeError,
+     r"messages\[0\].tool_calls\[0\]: expected a string name and arguments as a dict or RawArguments, got str and str"),
     ({}, [UserMessage("caf\udce9")], ValueError, r"not valid UTF-8: byte 0xe9"),
 ])
 def test_bad_options_and_messages(kwargs, messages, error, message):
