@@ -64,14 +64,16 @@ def _system(text: str) -> str:
 def add_chat_command(commands: argparse._SubParsersAction) -> None:
     """The `chat` subcommand's options."""
     chat = commands.add_parser("chat", help="chat with a K3 model in the terminal (multi-turn, streamed)")
-    chat.add_argument("--model", type=Path, required=True, metavar="DIR", help="HF release or `k3jax convert` directory")
+    chat.add_argument("--model", type=Path, required=True, metavar="DIR",
+                      help="HF release or `k3jax convert` directory")
     chat.add_argument("--image", type=Path, action="append", default=[], metavar="PATH",
                       help="an image for the first message (repeatable); /image PATH adds one later")
     chat.add_argument("--system", type=_system, default=None, metavar="TEXT", help="a system message to start with")
     chat.add_argument("--thinking", choices=(*THINKING_EFFORTS, "off"), default="max",
                       help="thinking effort (default max, as the release); off: answer without thinking")
     chat.add_argument("--max-new-tokens", type=int_at_least(1), default=4096, metavar="N", help="per reply")
-    chat.add_argument("--temperature", type=_temperature, default=1.0, metavar="T", help=">= 0; 0 is greedy (default 1.0)")
+    chat.add_argument("--temperature", type=_temperature, default=1.0, metavar="T",
+                      help=">= 0; 0 is greedy (default 1.0)")
     chat.add_argument("--seed", type=_seed, default=0, metavar="S", help="in [0, 2**32 - 1]")
     chat.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
 
