@@ -11,7 +11,7 @@ from k3jax.load.paths import CheckpointPath, checkpoint_path
 
 # What `load_tokenizer` reads from a checkpoint directory (`k3jax convert` copies these, with the
 # release's other text files, so a converted directory tokenizes on its own).
-TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
 
 
 def read_text_file(path: CheckpointPath) -> str:

@@ -16,6 +16,7 @@ config and tokenizer files against their sha256 (`text_files` in the manifest).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -25,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from k3jax.checkpoint.names import EXPERTS_PREFIX, Slot, abstract_items
+from k3jax.checkpoint.names import EXPERTS_PREFIX, VISION, Slot, abstract_items
 from k3jax.checkpoint.safetensors_index import CheckpointError
 from k3jax.checkpoint.store import CHECKSUM, MANIFEST, ItemStore, read_complete_manifest
 from k3jax.kernels import Kernels
@@ -90,6 +91,8 @@ def load_items(
                               "with --experts mxfp4 (or load the release directory itself)")
     packed = stored_packed if experts is None else experts == "mxfp4"
     cfg = load_config(root, dtype=dtype)
+    if VISION not in manifest["items"]:  # converted from a text-only release (planning said so)
+        cfg = dataclasses.replace(cfg, vision=None)
     abstract = abstract_model(cfg, packed_experts=packed, kernels=kernels)
     stored = abstract if packed == stored_packed else abstract_model(cfg, packed_experts=stored_packed)
     mesh = None if mesh is None else make_mesh(mesh)

@@ -44,7 +44,7 @@ def test_converted_directory_tokenizes_on_its_own(release, tmp_path, monkeypatch
     copied = ["config.json", "tiktoken.model", "tokenizer_config.json", *EXTRA]
     assert set(TEXT_FILES) >= set(copied)
     recorded = json.loads((out / MANIFEST).read_text())["text_files"]
-    assert recorded == {name: _sha256(source / name) for name in copied}  # chat_template.jinja: none to copy
+    assert recorded == {name: _sha256(source / name) for name in copied}
     for name in copied:
         assert (out / name).read_bytes() == (source / name).read_bytes() and not (out / name).is_symlink()
     tokenizer = load_tokenizer(out)
