@@ -131,8 +131,11 @@ class Scheduler:
 
     def __init__(self, model: K3Model, *, max_batch: int, max_len: int, prefill_chunk: int = 512,
                  max_queue: int = 1024, prefix_cache: PrefixCache | None = None, metrics: Metrics | None = None,
-                 pad_token_id: int | None = None) -> None:
-        for name, value in (("max_batch", max_batch), ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
+                 pad_token_id: int | None = None, headroom: int | None = None) -> None:
+        """`headroom`: slot-cache positions beyond max_len; the clock rolls back at most once per that
+        many decode steps (default max_len // 4). `pad_token_id` fills padding (default: the config's)."""
+        for name, value in (("max_batch", max_batch), ("max_len", max_len), ("prefill_chunk", prefill_chunk),
+                            ("headroom", 1 if headroom is None else headroom)):
             if value < 1:
                 raise ValueError(f"{name}={value}: expected an integer >= 1")
         if max_queue < 0:
@@ -144,7 +147,7 @@ class Scheduler:
         cfg = model.config
         self.pad_id = pad_token_id if pad_token_id is not None else (cfg.pad_token_id or 0)
         self.row_capacity = -(-max_len // prefill_chunk) * prefill_chunk + prefill_chunk
-        self.capacity = self.row_capacity + max(max_len // 4, 1)  # headroom: at most one roll per that many steps
+        self.capacity = max_len + (max(max_len // 4, 1) if headroom is None else headroom)
         self._slots = empty_slots(model, max_batch, self.capacity)
         self._length, self._start = 0, [IDLE] * max_batch
         self._active: dict[int, _Request] = {}
@@ -177,14 +180,6 @@ class Scheduler:
     def _cancel(self, request: _Request) -> None:
         request.cancelled = True
         self._wake.set()
-
-    @property
-    def queue_depth(self) -> int:
-        return len(self._pending)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._pending or self._prefill or self._active)
 
     # ---- the engine thread --------------------------------------------------------------
     def start(self) -> None:

@@ -19,7 +19,7 @@ request computes alone, whatever its offset, and the model needs no per-row posi
     roll wraps around there is harmless.
 
 The slot capacity is `max_len` plus headroom, so a roll to compact happens at most once per
-`headroom` decode steps. Start positions are kept by the scheduler (host) and written here whole.
+`headroom` decode steps (a row never holds more than max_len - 1 tokens). Start positions are kept by the scheduler (host) and written here whole.
 """
 
 from __future__ import annotations
@@ -65,16 +65,14 @@ def empty_row(model: K3Model, capacity: int, pad: int = 0) -> ModelCache:
 
 @functools.partial(jax.jit, donate_argnames=("slots",))
 def insert_row(slots: ModelCache, row: ModelCache, slot: jax.Array, shift: jax.Array) -> ModelCache:
-    """Copy the one-row cache `row` into `slots` at row `slot`, its latents rolled by `shift`
-    (= slots.length - row.length, so its last token lands at slots.length - 1). `start` is not
-    touched: the caller sets it (row.start + shift)."""
-    capacity = slots.capacity
-
+    """Copy the one-row cache `row` into `slots` at row `slot`, its latents moved `shift` positions
+    later (shift = slots.length - row.length, so its last token lands at slots.length - 1). Slot
+    positions outside the row's window get copies of its edge latents, which are masked or
+    overwritten before they are read. `start` is not touched: the caller sets it (row.start + shift)."""
     def put(dst, src, axis):
         if isinstance(dst, MLACache):
-            latent = src.latent
-            latent = jnp.pad(latent, [(0, 0)] * (axis + 1) + [(0, capacity - latent.shape[axis + 1]), (0, 0)])
-            latent = jnp.roll(latent, shift, axis=axis + 1)
+            source = jnp.arange(dst.latent.shape[axis + 1]) - shift
+            latent = jnp.take(src.latent, jnp.clip(source, 0, src.latent.shape[axis + 1] - 1), axis=axis + 1)
             return MLACache(_set_row(dst.latent, latent, slot, axis))
         return type(dst)(*(_set_row(d, s, slot, axis) for d, s in zip(dst, src)))
 
@@ -94,8 +92,8 @@ def extract_row(slots: ModelCache, slot: jax.Array, start: jax.Array, capacity: 
     def take(c, axis):
         rows = [jax.lax.dynamic_index_in_dim(x, slot, axis, keepdims=True) for x in c]
         if isinstance(c, MLACache):
-            latent = jnp.roll(rows[0], -start, axis=axis + 1)
-            return MLACache(jax.lax.slice_in_dim(latent, 0, capacity, axis=axis + 1))
+            source = jnp.clip(jnp.arange(capacity) + start, 0, rows[0].shape[axis + 1] - 1)
+            return MLACache(jnp.take(rows[0], source, axis=axis + 1))
         return type(c)(*rows)
 
     head, groups, tail = _map_layers(take, slots)
