@@ -104,7 +104,8 @@ async def chat_completions(request: Request) -> Response:
     fields = sampling_fields(body, state.vocab_size, max_tokens_names=("max_tokens", "max_completion_tokens"))
     ids, thinking = _prompt(state, body)
     max_tokens = budget(len(ids), fields.max_tokens, None, state.max_len)
-    stop_ids = {control_ids(state.chat_tokenizer).end_of_msg} | ({state.eos_id} if state.eos_id is not None else set())
+    stop_ids = set() if fields.ignore_eos else {control_ids(state.chat_tokenizer).end_of_msg} | (
+        {state.eos_id} if state.eos_id is not None else set())
     req = generation_request(ids, fields, max_tokens, stop_ids)
     stream = Stream(state.scheduler, req)
     parser = ReplyParser(state.chat_tokenizer, thinking=thinking)

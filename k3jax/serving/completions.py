@@ -4,8 +4,9 @@ A text prompt is encoded with the checkpoint's tokenizer (control-token strings 
 the bos token first when the tokenizer or config has one, as `k3jax generate --prompt` does; token
 ids are taken as given. Generation stops at the config's eos, at the request's stop token ids and
 stop strings (matched on the decoded text, which ends before them), or after `max_tokens` (default
-16, as OpenAI's). `"return_token_ids": true` adds the generated ids to each choice (a stop token
-included), which is also how a client reads a checkpoint without a tokenizer.
+16, as OpenAI's); `"ignore_eos": true` (as in vLLM) leaves the eos out of the stops.
+`"return_token_ids": true` adds the generated ids to each choice (a stop token included), which is
+also how a client reads a checkpoint without a tokenizer.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ async def completions(request: Request) -> Response:
     else:
         ids = prompt
     max_tokens = budget(len(ids), fields.max_tokens, DEFAULT_MAX_TOKENS, state.max_len)
-    stop_ids = {state.eos_id} if state.eos_id is not None else set()
+    stop_ids = {state.eos_id} if state.eos_id is not None and not fields.ignore_eos else set()
     req = generation_request(ids, fields, max_tokens, stop_ids)
     stream = Stream(state.scheduler, req)
     text = TextStream(state.tokenizer, fields.stop_strings)

@@ -48,6 +48,7 @@ class SamplingFields:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    ignore_eos: bool
 
 
 def _is_int(value: Any) -> bool:
@@ -112,9 +113,11 @@ def sampling_fields(body: Mapping, vocab_size: int, *, max_tokens_names: tuple[s
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping) or not isinstance(options.get("include_usage", False), bool):
         raise RequestError("'stream_options' must be an object like {\"include_usage\": true}", param="stream_options")
-    return_ids = body.get("return_token_ids", False)
-    if not isinstance(return_ids, bool):
-        raise RequestError(f"'return_token_ids' must be a boolean; got {return_ids!r}", param="return_token_ids")
+    flags = {}
+    for name in ("return_token_ids", "ignore_eos"):
+        flags[name] = body.get(name, False)
+        if not isinstance(flags[name], bool):
+            raise RequestError(f"'{name}' must be a boolean; got {flags[name]!r}", param=name)
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 0.0, math.inf),
@@ -123,7 +126,8 @@ def sampling_fields(body: Mapping, vocab_size: int, *, max_tokens_names: tuple[s
         seed=_integer(body, "seed", 0, MAX_SEED) or 0,
         stop_strings=tuple(s for s in stops if isinstance(s, str)),
         stop_ids=frozenset(s for s in stops if not isinstance(s, str)),
-        stream=stream, include_usage=bool(options.get("include_usage", False)), return_token_ids=return_ids,
+        stream=stream, include_usage=bool(options.get("include_usage", False)), return_token_ids=flags["return_token_ids"],
+        ignore_eos=flags["ignore_eos"],
     )
 
 
