@@ -1,4 +1,4 @@
-"""The `k3jax` command line: `demo`, `generate`, `convert`, `plan` and `serve`."""
+"""The `k3jax` command line: `demo`, `generate`, `chat`, `convert`, `plan` and `serve`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from k3jax import __version__, distributed
+from k3jax.chat.repl import add_chat_command, run_chat_command
 from k3jax.checkpoint.safetensors_index import CheckpointError
 from k3jax.config import ConfigError, K3Config
 from k3jax.convert import convert, plan_conversion
@@ -261,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--seed", type=_seed, default=0, help="in [0, 2**63 - 1]")
     gen.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
 
+    add_chat_command(commands)
+
     conv = commands.add_parser("convert", help="convert a Hugging Face release to per-layer Orbax checkpoints")
     conv.add_argument("hf_dir", type=Path, metavar="HF_DIR", help="Hugging Face release directory")
     conv.add_argument("out_dir", type=Path, metavar="OUT_DIR", nargs="?", help="output directory")
@@ -300,6 +303,8 @@ def _run(args: argparse.Namespace) -> int:
         return run_plan_command(args)
     if args.command == "convert":
         return _run_convert(args)
+    if args.command == "chat":
+        return run_chat_command(args)
     if args.command == "demo":
         _use_fake_cpu_devices()
         distributed.initialize()  # before JAX lists devices; nothing happens on a single process

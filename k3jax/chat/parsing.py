@@ -201,6 +201,12 @@ class ReplyParser:
                 self._emit(self._decoder.decode(self.tokenizer.decode_bytes([i])), out)
         return out
 
+    def flush(self) -> list[tuple[Channel, str]]:
+        """At the end of the reply: the bytes of a character left incomplete, as U+FFFD (streamed like `feed`)."""
+        out: list[tuple[Channel, str]] = []
+        self._flush(out)
+        return out
+
     def closing_ids(self) -> list[int]:
         """The ids that end a reply cut off here as a well-formed message (the open tags closed, an empty
         response channel if none was opened, `C message S E`), so that a conversation can go on."""

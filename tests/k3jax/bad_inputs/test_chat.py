@@ -3,12 +3,15 @@ a row; add rows to extend."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from k3jax.chat import (
     AssistantMessage, ImagePart, ToolCall, ToolMessage, UserMessage, control_ids, encode_messages, k3_tokenizer,
     messages_from_dicts,
 )
+from k3jax.cli import main
 from k3jax.tokenizer import ByteTokenizer, load_tokenizer
 from tests.k3jax.chat.helpers import bpe_tokenizer
 from tests.k3jax.test_tokenizer import _write_tokenizer_dir
@@ -69,3 +72,28 @@ def test_bad_openai_dicts(dicts, message):
 def test_bad_image_sizes(width, height):
     with pytest.raises(ValueError, match=r"ImagePart\.(width|height)=.*expected a positive integer"):
         ImagePart(width, height)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--thinking", "medium"], r"--thinking: invalid choice: 'medium'"),
+    (["--temperature", "-1"], r"--temperature: expected a number >= 0"),
+    (["--temperature", "nan"], r"--temperature: expected a number >= 0"),
+    (["--seed", "-3"], r"--seed: expected an integer >= 0"),
+    (["--seed", str(2**32)], r"--seed: expected an integer in \[0, 2\*\*32 - 1\]"),
+    (["--max-new-tokens", "0"], r"--max-new-tokens: expected an integer >= 1"),
+    (["--system", "caf\udce9"], r"--system: the system message is not valid UTF-8: byte 0xe9"),
+])
+def test_chat_command_options_are_checked_first(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["chat", "--model", "/nonexistent", *flags])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_chat_command_checks_the_checkpoint_before_loading(tmp_path, capsys, golden_dir):
+    assert main(["chat", "--model", str(tmp_path / "missing")]) == 1
+    assert "config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_bytes((golden_dir / "config.json").read_bytes())
+    _write_tokenizer_dir(tmp_path)  # a K2-style tokenizer beside the tiny config: refused before any weight loads
+    assert main(["chat", "--model", str(tmp_path)]) == 1
+    assert "but K3's is '<|open|>'" in capsys.readouterr().err

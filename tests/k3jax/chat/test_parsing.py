@@ -84,6 +84,8 @@ def test_result_mid_stream_leaves_the_parser_going():
     assert parser.result().reasoning == "\ufffd"
     assert parser.feed(ids[2:]) == [("reasoning", "你"), ("reasoning", "好")]
     assert parser.result().reasoning == "你好"
+    parser.feed(ids[:1])
+    assert parser.flush() == [("reasoning", "\ufffd")] and parser.result().reasoning == "你好\ufffd"
 
 
 @pytest.mark.parametrize("reply, expected, error", [
