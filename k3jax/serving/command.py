@@ -21,6 +21,15 @@ from k3jax.serving.scheduler import Scheduler
 from k3jax.serving.state import ServerState
 from k3jax.tokenizer import load_tokenizer
 
+try:  # the web server is the `serve` extra, not a core dependency: without it, only `serve` fails
+    import uvicorn
+
+    from k3jax.serving.app import create_app
+except ImportError as err:
+    _WEB_SERVER_MISSING: ImportError | None = err
+else:
+    _WEB_SERVER_MISSING = None
+
 MIB = 1 << 20
 
 
@@ -63,12 +72,9 @@ def build_state(args: argparse.Namespace) -> ServerState:
 
 def run_serve_command(args: argparse.Namespace) -> int:
     """Serve until interrupted; a bad checkpoint or a missing web server is a one-line error."""
-    try:  # the web server is the `serve` extra, not a core dependency
-        import uvicorn  # noqa: PLC0415
-
-        from k3jax.serving.app import create_app  # noqa: PLC0415
-    except ImportError as err:
-        print(f"error: `k3jax serve` needs starlette and uvicorn (pip install 'k3jax[serve]'): {err}", file=sys.stderr)
+    if _WEB_SERVER_MISSING is not None:
+        print(f"error: `k3jax serve` needs starlette and uvicorn (pip install 'k3jax[serve]'): {_WEB_SERVER_MISSING}",
+              file=sys.stderr)
         return 1
     if jax.process_count() > 1:
         print("error: `k3jax serve` runs in one process (multi-host serving is not supported)", file=sys.stderr)
