@@ -31,7 +31,8 @@ from k3jax.generate import generate
 from k3jax.model import K3Model
 from k3jax.pretrained import from_pretrained
 from k3jax.serving.prefix_cache import PrefixCache
-from k3jax.serving.scheduler import Finish, GenerationRequest, Scheduler
+from k3jax.serving.request import Finish, GenerationRequest
+from k3jax.serving.scheduler import Scheduler
 
 
 class Timed:

@@ -30,7 +30,7 @@ from k3jax.serving.completions import completions
 from k3jax.serving.context import state_of
 from k3jax.serving.state import ServerState
 from k3jax.serving.protocol import RequestError, error_body
-from k3jax.serving.scheduler import QueueFull, ShuttingDown
+from k3jax.serving.request import QueueFull, ShuttingDown
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ import asyncio
 
 from starlette.requests import Request
 
-from k3jax.serving.scheduler import Finish, GenerationRequest, Scheduler
+from k3jax.serving.request import Finish, GenerationRequest
+from k3jax.serving.scheduler import Scheduler
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 

@@ -29,7 +29,7 @@ from k3jax.serving.context import json_body, sse, state_of
 from k3jax.serving.protocol import (
     RequestError, budget, completion_body, new_id, sampling_fields, tool_call_json, usage,
 )
-from k3jax.serving.scheduler import Finish
+from k3jax.serving.request import Finish
 from k3jax.serving.state import ServerState
 from k3jax.serving.text import StopMatcher
 
@@ -56,8 +56,8 @@ def _response_format(body: Mapping) -> ResponseFormat | None:
         return ResponseFormat()
     if isinstance(spec, Mapping) and spec.get("type") == "json_schema" and isinstance(spec.get("json_schema"), Mapping):
         return ResponseFormat(spec["json_schema"].get("schema") or {})
-    raise RequestError(f"'response_format' must be {{\"type\": \"text\" | \"json_object\" | \"json_schema\"}}; got {spec!r}",
-                       param="response_format")
+    raise RequestError("'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}; "
+                       f"got {spec!r}", param="response_format")
 
 
 def _prompt(state: ServerState, body: Mapping) -> tuple[list[int], bool]:
@@ -160,8 +160,8 @@ async def chat_completions(request: Request) -> Response:
                     yield completion_body(rid, state.model_name, {"index": 0, "delta": delta, "logprobs": None,
                                                                   "finish_reason": reason}, None, chunk=True, chat=True)
                 if finish is not None and fields.include_usage:
-                    yield completion_body(rid, state.model_name, {}, usage(len(ids), finish.completion_tokens,
-                                                                            finish.cached_tokens), chunk=True, chat=True)
+                    counts = usage(len(ids), finish.completion_tokens, finish.cached_tokens)
+                    yield completion_body(rid, state.model_name, {}, counts, chunk=True, chat=True)
         return sse(events())
 
     reasoning, tool_calls = [], None

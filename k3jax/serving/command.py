@@ -49,7 +49,8 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
                        help="requests that may wait for a slot; more are refused with 503")
     serve.add_argument("--prefix-cache-mib", type=int_at_least(0), default=1024,
                        help="device memory for prefix-cache snapshots (0: off)")
-    serve.add_argument("--served-model-name", default=None, help="the model id clients name (default: the directory name)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id clients name (default: the directory name)")
 
 
 def build_state(args: argparse.Namespace) -> ServerState:

@@ -21,14 +21,15 @@ from k3jax.serving.context import json_body, sse, state_of
 from k3jax.serving.protocol import (
     RequestError, SamplingFields, budget, completion_body, completion_prompt, new_id, sampling_fields, usage,
 )
-from k3jax.serving.scheduler import Finish, GenerationRequest
+from k3jax.serving.request import Finish, GenerationRequest
 from k3jax.serving.state import ServerState
 from k3jax.serving.text import TextStream
 
 DEFAULT_MAX_TOKENS = 16
 
 
-def generation_request(ids: list[int], fields: SamplingFields, max_tokens: int, stop_ids: set[int]) -> GenerationRequest:
+def generation_request(ids: list[int], fields: SamplingFields, max_tokens: int,
+                       stop_ids: set[int]) -> GenerationRequest:
     return GenerationRequest(tuple(ids), max_tokens, fields.temperature, fields.top_k, fields.top_p, fields.seed,
                              frozenset(stop_ids) | fields.stop_ids)
 
@@ -92,8 +93,8 @@ async def completions(request: Request) -> Response:
                     yield {"error": {"message": finish.error, "type": "internal_error"}}
                     return
                 if delta or new_ids or reason:
-                    yield completion_body(rid, state.model_name, _choice(delta, new_ids, reason, fields.return_token_ids),
-                                          None)
+                    choice = _choice(delta, new_ids, reason, fields.return_token_ids)
+                    yield completion_body(rid, state.model_name, choice, None)
                 if finish is not None and fields.include_usage:
                     yield completion_body(rid, state.model_name, {}, usage(len(ids), finish.completion_tokens,
                                                                             finish.cached_tokens))

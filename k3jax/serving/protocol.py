@@ -126,8 +126,8 @@ def sampling_fields(body: Mapping, vocab_size: int, *, max_tokens_names: tuple[s
         seed=_integer(body, "seed", 0, MAX_SEED) or 0,
         stop_strings=tuple(s for s in stops if isinstance(s, str)),
         stop_ids=frozenset(s for s in stops if not isinstance(s, str)),
-        stream=stream, include_usage=bool(options.get("include_usage", False)), return_token_ids=flags["return_token_ids"],
-        ignore_eos=flags["ignore_eos"],
+        stream=stream, include_usage=bool(options.get("include_usage", False)),
+        return_token_ids=flags["return_token_ids"], ignore_eos=flags["ignore_eos"],
     )
 
 

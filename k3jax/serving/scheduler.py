@@ -24,7 +24,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -33,47 +32,12 @@ from k3jax.generate import extend
 from k3jax.model import K3Model, ModelCache, run_model
 from k3jax.serving.metrics import Metrics
 from k3jax.serving.prefix_cache import PrefixCache, restored
+from k3jax.serving.request import Finish, GenerationRequest, QueueFull, ShuttingDown, Sink
 from k3jax.serving.sampler import RowParams, request_keys, sample_rows
 from k3jax.serving.slots import IDLE, empty_row, empty_slots, extract_row, insert_row, set_clock, shift_slots
 
 log = logging.getLogger(__name__)
 MIN_BUCKET = 16  # the smallest padded prompt width
-
-
-class QueueFull(Exception):
-    """The waiting queue is full (the server answers 503)."""
-
-
-class ShuttingDown(Exception):
-    """The scheduler no longer takes requests."""
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A checked request: the prompt ids, the token budget and the sampler settings."""
-
-    prompt: tuple[int, ...]
-    max_tokens: int
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int = 0
-    stop_ids: frozenset[int] = frozenset()
-
-
-class Finish(NamedTuple):
-    reason: str  # "stop" | "length" | "abort" | "error"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int  # prompt tokens taken from the prefix cache
-    error: str | None = None
-
-
-class Sink(Protocol):
-    """Where a request's results go; called from the engine thread, so it must not block."""
-
-    def token(self, token: int) -> None: ...
-    def finish(self, finish: Finish) -> None: ...
 
 
 @dataclass(eq=False)
@@ -157,6 +121,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
+        self._abort = False
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -190,9 +155,7 @@ class Scheduler:
         """Take no more requests; finish the ones in flight (`drain`) or abort them; join the thread."""
         with self._lock:
             self._closed = True
-        if not drain:
-            for request in [*self._pending, *self._active.values()] + ([self._prefill.request] if self._prefill else []):
-                request.cancelled = True
+        self._abort = not drain  # the engine thread cancels everything at its next step
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -200,11 +163,28 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
-            if not self.step():
+            try:
+                did = self.step()
+            except Exception as err:  # an engine bug fails what is in flight, never the thread
+                self._reset(err)
+                did = True
+            if not did:
                 if self._stop.is_set():
                     return
                 self._wake.wait(0.05)
                 self._wake.clear()
+
+    def _reset(self, err: Exception) -> None:
+        """Fail the requests being prefilled and decoded; start again from empty slots."""
+        log.error("engine step failed; failing the requests in flight", exc_info=err)
+        staged = [self._prefill.request] if self._prefill else []
+        self._prefill = None
+        for request in [*self._active.values(), *staged]:
+            self._finish(request, "error", f"{type(err).__name__}: {err}")
+        self._active.clear()
+        self._free = list(range(self.max_batch - 1, -1, -1))
+        self._length, self._start = 0, [IDLE] * self.max_batch
+        self._slots = set_clock(empty_slots(self.model, self.max_batch, self.capacity), self._length, self._start)
 
     def run_until_idle(self) -> None:
         """Run steps in the calling thread until nothing is queued or running (no engine thread)."""
@@ -264,6 +244,10 @@ class Scheduler:
         self._free.append(slot)
 
     def _reap_cancelled(self) -> None:
+        if self._abort:
+            staged = [self._prefill.request] if self._prefill else []
+            for request in [*self._pending, *self._active.values(), *staged]:
+                request.cancelled = True
         with self._lock:
             dropped = [r for r in self._pending if r.cancelled]
             for r in dropped:
@@ -365,15 +349,8 @@ class Scheduler:
             new, self._slots = _decode(self.model, self._slots, tokens, keys, params,
                                        any_sampling=bool((params.temperature > 0).any()))
             new = np.asarray(new)
-        except Exception as err:  # the cache was donated: start over with empty slots, fail the batch
-            log.exception("decode step failed")
-            self._slots = empty_slots(self.model, self.max_batch, self.capacity)
-            for slot, request in list(self._active.items()):
-                del self._active[slot]
-                self._free_slot(slot)
-                self._finish(request, "error", f"{type(err).__name__}: {err}")
-            self._length = 0
-            self._slots = set_clock(self._slots, self._length, self._start)
+        except Exception as err:  # the cache was donated: start over with empty slots
+            self._reset(err)
             return
         self._length += 1
         for slot, request in list(self._active.items()):

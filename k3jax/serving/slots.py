@@ -19,7 +19,8 @@ request computes alone, whatever its offset, and the model needs no per-row posi
     roll wraps around there is harmless.
 
 The slot capacity is `max_len` plus headroom, so a roll to compact happens at most once per
-`headroom` decode steps (a row never holds more than max_len - 1 tokens). Start positions are kept by the scheduler (host) and written here whole.
+`headroom` decode steps (a row never holds more than max_len - 1 tokens). Start positions are kept
+by the scheduler (host) and written here whole.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from k3jax.chat import (
 )
 from k3jax.serving.app import create_app
 from k3jax.serving.metrics import Metrics
-from k3jax.serving.scheduler import Finish, GenerationRequest
+from k3jax.serving.request import Finish, GenerationRequest
 from k3jax.serving.state import ServerState
 from k3jax.tokenizer import load_tokenizer
 from tests.conftest import GOLDEN_DIR

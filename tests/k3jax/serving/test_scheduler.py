@@ -15,7 +15,8 @@ import pytest
 import k3jax
 from k3jax.serving import scheduler as scheduler_module
 from k3jax.serving.prefix_cache import PrefixCache
-from k3jax.serving.scheduler import Finish, GenerationRequest, Scheduler
+from k3jax.serving.request import Finish, GenerationRequest
+from k3jax.serving.scheduler import Scheduler
 
 MAX_LEN, CHUNK, HEADROOM = 32, 16, 3
 REF_CAPACITY = MAX_LEN  # every request fits: prompt + max_tokens <= MAX_LEN
