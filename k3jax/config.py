@@ -35,6 +35,29 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """MoonViT-V2 tower and patch-merger projector (`vision_config`). The official code hard-codes
+    tanh-GELU in the tower, erf-GELU in the projector and machine-epsilon tower norms, whatever the
+    config's activation keys say, so those keys are not read."""
+
+    patch_size: int
+    hidden_size: int  # vt_hidden_size (= mm_hidden_size)
+    num_layers: int
+    num_heads: int
+    qkv_hidden_size: int  # attention width, heads x head_dim
+    intermediate_size: int
+    pos_emb_height: int
+    pos_emb_width: int
+    pos_emb_time: int  # most frames one item may have
+    text_hidden_size: int
+    projector_eps: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
 class K3Config:
     """Hyper-parameters of the K3 text tower. Frozen and hashable, so it can be a static jit argument."""
 
@@ -75,6 +98,9 @@ class K3Config:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     dtype: str = "bfloat16"
+    # The vision tower (None: a text-only model) and the one placeholder token each image takes.
+    vision: VisionConfig | None = None
+    media_placeholder_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.mixer_kinds) != self.num_hidden_layers:
@@ -90,7 +116,7 @@ class K3Config:
             )
         if self.attn_res_block_size < 1:
             raise ConfigError(f"attn_res_block_size={self.attn_res_block_size}: expected an integer >= 1")
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size
@@ -133,7 +159,12 @@ class K3Config:
         text = raw.get("text_config", raw) if raw.get("model_type") == "kimi_k3" else raw
         if raw.get("model_type") == "kimi_k3" and "text_config" not in raw:
             raise ConfigError("config of model_type 'kimi_k3' has no 'text_config'")
-        return dataclasses.replace(_parse_text_config(text, top=raw), **overrides)
+        cfg = _parse_text_config(text, top=raw)
+        if "vision_config" in raw:
+            vision = _parse_vision_config(_Reader(raw, "config").sub("vision_config"), cfg.hidden_size)
+            placeholder = _Reader(raw, "config").int("media_placeholder_token_id", minimum=0)
+            cfg = dataclasses.replace(cfg, vision=vision, media_placeholder_token_id=placeholder)
+        return dataclasses.replace(cfg, **overrides)
 
 
 def _load_json(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
@@ -321,4 +352,31 @@ def _parse_text_config(text: dict[str, Any], top: dict[str, Any]) -> K3Config:
         eos_token_id=top.get("eos_token_id", text.get("eos_token_id")),
         pad_token_id=top.get("pad_token_id", text.get("pad_token_id")),
         dtype=str(dtype),
+    )
+
+
+def _parse_vision_config(v: _Reader, text_hidden: int) -> VisionConfig:
+    for key, allowed in (("norm_type", "rmsnorm"), ("mlp_type", "mlp2"), ("merge_type", "sd2_tpool"),
+                         ("mm_projector_type", "patchmergerv2"), ("pos_emb_type", "divided_fixed"),
+                         ("pos_emb_interpolation_mode", "bilinear")):
+        v.require(key, (allowed,))
+    for key in ("attn_bias", "linear_bias", "patch_embed_proj_bias"):
+        v.require(key, (False,), default=False)
+    v.require("merge_kernel_size", ([2, 2],))
+    hidden, heads, qkv = v.int("vt_hidden_size"), v.int("vt_num_attention_heads"), v.int("qkv_hidden_size")
+    if v.int("mm_hidden_size", default=hidden) != hidden:
+        raise ConfigError(f"config key {v.prefix}.mm_hidden_size must equal vt_hidden_size={hidden}")
+    if qkv % heads or (qkv // heads) % 4:
+        raise ConfigError(f"config key {v.prefix}.qkv_hidden_size={qkv}: expected vt_num_attention_heads={heads} "
+                          "heads of a width divisible by 4 (2-D rotary embedding)")
+    if hidden % 2:
+        raise ConfigError(f"config key {v.prefix}.vt_hidden_size={hidden}: expected an even width")
+    if v.int("text_hidden_size") != text_hidden:
+        raise ConfigError(f"config key {v.prefix}.text_hidden_size must equal text_config.hidden_size={text_hidden}")
+    return VisionConfig(
+        patch_size=v.int("patch_size"), hidden_size=hidden, num_layers=v.int("vt_num_hidden_layers"),
+        num_heads=heads, qkv_hidden_size=qkv, intermediate_size=v.int("vt_intermediate_size"),
+        pos_emb_height=v.int("init_pos_emb_height"), pos_emb_width=v.int("init_pos_emb_width"),
+        pos_emb_time=v.int("init_pos_emb_time"), text_hidden_size=text_hidden,
+        projector_eps=v.float("projector_ln_eps"),
     )

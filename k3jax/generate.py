@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.model import K3Model, ModelCache, check_input_ids, run_model
+from k3jax.model import K3Model, ModelCache, check_input_ids, embed_images, run_model
 from k3jax.sampling import SamplingParams, sample_with
+from k3jax.vision.embed import ImageInputs, prepare_images
 
 
 class GenerateOutput(NamedTuple):
@@ -139,19 +140,47 @@ def _prefill(
 
 
 def prefill(
-    model: K3Model, input_ids: jax.Array, *, capacity: int | None = None, prompt_lengths=None, attention_mask=None
+    model: K3Model, input_ids: jax.Array, *, capacity: int | None = None, prompt_lengths=None, attention_mask=None,
+    pixel_values=None, grid_thws=None,
 ) -> tuple[jax.Array, ModelCache]:
     """Run the prompt [B, T] and return (logits [B, T, vocab] fp32, cache with room for `capacity` tokens).
 
     With `prompt_lengths` [B] (or a left-padding `attention_mask` [B, T]), the prompts are left-padded
     to T (see `left_pad`); the cache remembers
     the padding, so later `decode_step`s keep the pads masked. Logits at pad positions are meaningless.
+
+    With images (`pixel_values`, `grid_thws`; one placeholder token per image, see `k3jax.vision`)
+    the prompt is the expanded one: logits [B, T', vocab] over it, and `capacity` counts its T'.
     """
     ids = check_input_ids(input_ids, model.config)
+    if pixel_values is not None or grid_thws is not None:
+        return _prefill_with_images(model, ids, capacity, _pad_start(ids, _default_pad(model), prompt_lengths,
+                                                                     attention_mask), pixel_values, grid_thws)
     capacity = ids.shape[1] if capacity is None else _check_int("capacity", capacity, 1)
     if capacity < ids.shape[1]:
         raise ValueError(f"capacity={capacity} is smaller than the prompt length {ids.shape[1]}")
     return _prefill(model, ids, capacity, _pad_start(ids, _default_pad(model), prompt_lengths, attention_mask))
+
+
+# ---- prompts with images: the placeholders expanded to image features, fed as inputs_embeds ----
+
+@functools.partial(jax.jit, static_argnames=("capacity",))
+def _prefill_images(
+    model: K3Model, ids: jax.Array, images: ImageInputs, capacity: int, start: jax.Array | None
+) -> tuple[jax.Array, ModelCache]:
+    cache = model.empty_cache(ids.shape[0], capacity)
+    out, cache = run_model(model, None, cache, start=start, inputs_embeds=embed_images(model, ids, images))
+    return out.logits, cache
+
+
+def _prefill_with_images(model: K3Model, ids: jax.Array, capacity: int | None, start: jax.Array | None,
+                         pixel_values, grid_thws) -> tuple[jax.Array, ModelCache]:
+    images, start = prepare_images(model, ids, start, pixel_values, grid_thws)
+    length = images.gather.shape[1]
+    capacity = length if capacity is None else _check_int("capacity", capacity, 1)
+    if capacity < length:
+        raise ValueError(f"capacity={capacity} is smaller than the prompt with its images expanded ({length} tokens)")
+    return _prefill_images(model, ids, images, capacity, start)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -218,10 +247,11 @@ _select_jit = jax.jit(_select, static_argnums=0)
 @functools.partial(jax.jit, static_argnames=("params", "max_new_tokens", "capacity"))
 def _generate(
     model: K3Model, ids: jax.Array, start: jax.Array | None, key: jax.Array, stop: jax.Array, pad: jax.Array,
-    *, params: SamplingParams, max_new_tokens: int, capacity: int,
+    images: ImageInputs | None, *, params: SamplingParams, max_new_tokens: int, capacity: int,
 ) -> tuple[jax.Array, jax.Array]:
     cache = model.empty_cache(ids.shape[0], capacity)
-    out, cache = run_model(model, ids, cache, start=start)
+    embeds = None if images is None else embed_images(model, ids, images)
+    out, cache = run_model(model, ids, cache, start=start, inputs_embeds=embeds)
     keys = jax.random.split(key, max_new_tokens)
     done = jnp.zeros(ids.shape[0], bool)
     first, done, lengths = _select(params, out.logits[:, -1], keys[0], done, jnp.zeros(ids.shape[0], jnp.int32),
@@ -239,9 +269,13 @@ def _generate(
 
 def _streamed(
     model: K3Model, ids: jax.Array, start: jax.Array | None, key: jax.Array, stop: jax.Array, pad: jax.Array,
-    params: SamplingParams, max_new_tokens: int, capacity: int, on_token: Callable[[np.ndarray], object],
+    images: ImageInputs | None, params: SamplingParams, max_new_tokens: int, capacity: int,
+    on_token: Callable[[np.ndarray], object],
 ) -> tuple[jax.Array, jax.Array]:
-    logits, cache = _prefill(model, ids, capacity, start)
+    if images is None:
+        logits, cache = _prefill(model, ids, capacity, start)
+    else:
+        logits, cache = _prefill_images(model, ids, images, capacity, start)
     keys = jax.random.split(key, max_new_tokens)
     batch = ids.shape[0]
     done, lengths = jnp.zeros(batch, bool), jnp.zeros(batch, jnp.int32)
@@ -264,6 +298,7 @@ def generate(
     top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_tokens: Sequence[int] = (),
     pad_token_id: int | None = None, prompt_lengths=None, attention_mask=None, capacity: int | None = None,
     on_token: Callable[[np.ndarray], object] | None = None, return_lengths: bool = False,
+    pixel_values=None, grid_thws=None,
 ) -> jax.Array | GenerateOutput:
     """Continue each prompt by up to `max_new_tokens` tokens: int32 [B, N]. Greedy at temperature 0.
 
@@ -278,6 +313,8 @@ def generate(
         (T + max_new_tokens - 1), which is also the default.
     on_token: called with each step's tokens (numpy int32 [B]) as they are produced, in order.
     return_lengths: return GenerateOutput(tokens, lengths) with the per-row generated lengths.
+    pixel_values / grid_thws: images, one placeholder token per image in the prompts (see `prefill`);
+        the prompt length above is then the expanded one.
     Every argument is checked before anything compiles; a bad one is a ValueError that names it.
     """
     vocab = model.config.vocab_size
@@ -285,21 +322,25 @@ def generate(
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
     params = SamplingParams(temperature, top_k, top_p)
     seed = _check_int("seed", seed, 0, 2**32 - 1)  # jax.random.key wraps larger seeds
-    needed = ids.shape[1] + max_new_tokens - 1
+    pad_token_id = _default_pad(model) if pad_token_id is None else _check_token("pad_token_id", pad_token_id, vocab)
+    start = _pad_start(ids, pad_token_id, prompt_lengths, attention_mask)
+    images, length = None, ids.shape[1]
+    if pixel_values is not None or grid_thws is not None:
+        images, start = prepare_images(model, ids, start, pixel_values, grid_thws)
+        length = images.gather.shape[1]
+    needed = length + max_new_tokens - 1
     capacity = needed if capacity is None else _check_int("capacity", capacity, 1)
     if needed > capacity:
         raise ValueError(
-            f"the prompt ({ids.shape[1]} tokens) and max_new_tokens={max_new_tokens} need a cache of "
+            f"the prompt ({length} tokens) and max_new_tokens={max_new_tokens} need a cache of "
             f"{needed} tokens (the last new token is not cached), but capacity={capacity}"
         )
-    pad_token_id = _default_pad(model) if pad_token_id is None else _check_token("pad_token_id", pad_token_id, vocab)
     if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Iterable):
         raise ValueError(f"stop_tokens={stop_tokens!r}: expected a sequence of token ids")
     stop_list = [_check_token(f"stop_tokens[{i}]", t, vocab) for i, t in enumerate(stop_tokens)]
-    start = _pad_start(ids, pad_token_id, prompt_lengths, attention_mask)
     # Padded with -1 to a multiple of 8 entries, so up to 8 stop tokens share one compiled program.
     stop = jnp.asarray(stop_list + [-1] * (-len(stop_list) % 8 or (8 if not stop_list else 0)), jnp.int32)
-    args = (model, ids, start, jax.random.key(seed), stop, jnp.asarray(pad_token_id, jnp.int32))
+    args = (model, ids, start, jax.random.key(seed), stop, jnp.asarray(pad_token_id, jnp.int32), images)
     if on_token is None:
         tokens, lengths = _generate(*args, params=params, max_new_tokens=max_new_tokens, capacity=capacity)
     else:

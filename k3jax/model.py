@@ -24,6 +24,9 @@ from k3jax.nn.attn_res import AttnResStream, attn_res_mix
 from k3jax.nn.decoder import DecoderLayer, LayerCache, LayerTaps
 from k3jax.nn.layers import F32, Linear, RMSNorm, declare, linear, normal_init
 from k3jax.nn.mla import MLACache
+from k3jax.vision.embed import ImageInputs, image_embeds, prepare_images
+from k3jax.vision.projector import Projector
+from k3jax.vision.tower import VisionTower
 
 
 class ModelCache(NamedTuple):
@@ -96,6 +99,12 @@ class K3Model(nnx.Module):
         self.output_attn_res_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, axis="embed", rngs=rngs)
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, axis="embed", rngs=rngs)
         self.lm_head = Linear(d, cfg.vocab_size, dtype=dtype, axes=("vocab", "embed"), rngs=rngs, gain=2.0)
+        # MoonViT-V2 and its projector (release names `vision_tower.*`, `mm_projector.*`); None: text-only.
+        if cfg.vision is not None:
+            self.vision_tower = VisionTower(cfg.vision, dtype=dtype, rngs=rngs)
+            self.mm_projector = Projector(cfg.vision, dtype=dtype, rngs=rngs)
+        else:
+            self.vision_tower = self.mm_projector = None
 
     @classmethod
     def init(
@@ -133,9 +142,15 @@ class K3Model(nnx.Module):
         return jax.tree.map(lambda a: a[i], self.group_layers)[j]
 
     # ---- forward ------------------------------------------------------------------------
-    def __call__(self, input_ids: jax.Array) -> jax.Array:
-        """int32 [B, T] -> float32 logits [B, T, vocab]."""
-        return forward(self, input_ids).logits
+    def __call__(self, input_ids: jax.Array, pixel_values: Any = None, grid_thws: Any = None) -> jax.Array:
+        """int32 [B, T] -> float32 logits [B, T, vocab].
+
+        With images (`pixel_values` [L, 3, 14, 14] and `grid_thws` [N, 3], see `k3jax.vision`), each
+        image's one placeholder token in `input_ids` is expanded to its features: the logits cover the
+        expanded rows [B, T', vocab], rows shorter than the longest left-padded (see `forward_images`)."""
+        if pixel_values is None and grid_thws is None:
+            return forward(self, input_ids).logits
+        return forward_images(self, input_ids, pixel_values, grid_thws)[0]
 
     def empty_cache(self, batch: int, capacity: int) -> ModelCache:
         dtype = jnp.dtype(self.config.dtype)
@@ -176,7 +191,7 @@ def check_input_ids(input_ids: Any, cfg: K3Config, *, name: str = "input_ids", n
 
 def run_model(
     model: K3Model, input_ids: jax.Array, cache: ModelCache | None = None, *, collect_taps: bool = False,
-    start: jax.Array | None = None, last_logits_only: bool = False,
+    start: jax.Array | None = None, last_logits_only: bool = False, inputs_embeds: jax.Array | None = None,
 ) -> tuple[ForwardOutput, ModelCache | None]:
     """The whole forward pass. With a cache, the tokens continue the cached sequence.
 
@@ -187,12 +202,16 @@ def run_model(
     start[b] are pads. K3 has no positional encoding, so a left-padded row computes exactly what the
     row alone would: pad keys are masked out of MLA, pad steps leave the KDA state and conv window
     untouched, AttnRes and MoE are per token. Logits at pad positions are meaningless.
+
+    `inputs_embeds` [B, T, hidden] replaces the token embeddings (prompts with images; `input_ids`
+    is then unused and may be None).
     """
     cfg, plan = model.config, model.plan
     position = cache.length if cache is not None else jnp.zeros((), jnp.int32)
     if start is None and cache is not None:
         start = cache.start
-    stream = AttnResStream.start(model.embed_tokens(input_ids), cfg.num_attn_res_blocks)
+    embeds = model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    stream = AttnResStream.start(embeds, cfg.num_attn_res_blocks)
     taps: list[LayerTaps] = []
 
     def run_unrolled(layers, indices, caches):
@@ -233,7 +252,7 @@ def run_model(
     hidden = model.norm(final_mix)
     logits = linear(hidden[:, -1:] if last_logits_only else hidden, model.lm_head.weight[...]).astype(F32)
     out = ForwardOutput(logits, hidden, final_mix, tuple(taps) if collect_taps else None)
-    new_cache = ModelCache(head, groups, tail, position + input_ids.shape[1], start) if cache is not None else None
+    new_cache = ModelCache(head, groups, tail, position + embeds.shape[1], start) if cache is not None else None
     return out, new_cache
 
 
@@ -247,3 +266,27 @@ def forward(model: K3Model, input_ids: jax.Array, *, collect_taps: bool = False)
 def _forward(model: K3Model, input_ids: jax.Array, *, collect_taps: bool = False) -> ForwardOutput:
     return run_model(model, input_ids, collect_taps=collect_taps)[0]
 
+
+
+def forward_images(
+    model: K3Model, input_ids: Any, pixel_values: Any, grid_thws: Any
+) -> tuple[jax.Array, jax.Array | None]:
+    """Forward of prompts with images, the official inference path: each image has exactly one
+    placeholder (`media_placeholder_token_id`) in `input_ids`, expanded in place to its features.
+
+    Returns (logits [B, T', vocab] fp32, start): the expanded rows left-aligned to the longest one,
+    `start[b]` the first real position of row b (None when no row is padded); each row computes
+    exactly what it would alone. Every input is checked before anything compiles."""
+    ids = check_input_ids(input_ids, model.config)
+    images, start = prepare_images(model, ids, None, pixel_values, grid_thws)
+    return _forward_images(model, ids, images, start), start
+
+
+def embed_images(model: K3Model, ids: jax.Array, images: ImageInputs) -> jax.Array:
+    """The merged input embeddings of prompts with images (`k3jax.vision.embed`), for `run_model`."""
+    return image_embeds(model.embed_tokens, model.vision_tower, model.mm_projector, ids, images)
+
+
+@jax.jit
+def _forward_images(model: K3Model, ids: jax.Array, images: ImageInputs, start: jax.Array | None) -> jax.Array:
+    return run_model(model, None, start=start, inputs_embeds=embed_images(model, ids, images))[0].logits

@@ -50,7 +50,8 @@ TOOL_CHOICES = ("auto", "required", "none")
 _EFFORT_TEXT = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
                 "channel), supported values include `low`, `medium`, `high`, and `max`.\n"
                 "Now the system is invoked with `thinking_effort={}`.")
-_RAW_JSON_NOTE = "Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting."
+_RAW_JSON_NOTE = ("Your response must be raw JSON data without markdown code blocks (```json) or any additional "
+                  "formatting.")
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,10 @@ def _check_message(message: object, where: str) -> None:
         for j, call in enumerate(message.tool_calls):
             if not isinstance(call, ToolCall):
                 raise TypeError(f"{where}.tool_calls[{j}]: expected a ToolCall, got {type(call).__name__}")
+            if not isinstance(call.name, str) or not isinstance(call.arguments, (Mapping, RawArguments)):
+                raise TypeError(f"{where}.tool_calls[{j}]: expected a string name and arguments as a dict or "
+                                f"RawArguments, got {type(call.name).__name__} and {type(call.arguments).__name__} "
+                                "(ToolCall.from_json_text reads a JSON string)")
     elif not isinstance(content, (str, Sequence)):
         raise TypeError(f"{where}.content: expected a string or a list of strings and ImageParts, "
                         f"got {type(content).__name__}")
@@ -299,7 +304,8 @@ def _render(
                                   f"You MUST {must} in the next message.")
     if response_format is not None:
         if response_format.schema is None:
-            out.system("response-format", f"The system is invoked with `response_format=json_object`.\n{_RAW_JSON_NOTE}")
+            out.system("response-format",
+                       f"The system is invoked with `response_format=json_object`.\n{_RAW_JSON_NOTE}")
         else:
             out.system("response-format", "The system is invoked with `response_format=json_schema`.\n"
                        f"{_RAW_JSON_NOTE}\nThe JSON data must match the following schema:\n"

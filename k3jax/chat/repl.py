@@ -1,11 +1,13 @@
 """`k3jax chat`: a multi-turn chat in the terminal, reading one user message per line of stdin.
 
-    k3jax chat --model DIR [--system TEXT] [--thinking low|high|max|off] [--max-new-tokens N]
-               [--temperature T] [--seed S] [--dtype bfloat16|float32]
+    k3jax chat --model DIR [--image PATH]... [--system TEXT] [--thinking low|high|max|off]
+               [--max-new-tokens N] [--temperature T] [--seed S] [--dtype bfloat16|float32]
 
 The reply streams as it is produced: the reasoning first (dimmed on a terminal, after "thinking:"),
 then the answer after "answer:", then any tool calls. `/reset` starts the conversation over, `/exit`
-or end of input (Ctrl-D) quits. Every option is checked, and the tokenizer read, before the model loads.
+or end of input (Ctrl-D) quits; Ctrl-C during a reply drops that turn. Images given with `--image`
+go with the first message, and `/image PATH` attaches one to the next. Every option is checked, the
+tokenizer read and the images decoded before the model loads.
 Control characters in the model's text are shown escaped, so a reply cannot drive the terminal.
 """
 
@@ -29,8 +31,9 @@ from k3jax.config import ConfigError, K3Config
 from k3jax.memory_plan.command import int_at_least
 from k3jax.pretrained import from_pretrained
 from k3jax.tokenizer import check_text, load_tokenizer
+from k3jax.vision.processor import ProcessorConfig, load_image
 
-HELP = "/reset starts over, /exit or Ctrl-D quits"
+HELP = "/image PATH attaches an image to the next message, /reset starts over, /exit or Ctrl-D quits"
 _DIM, _PLAIN = "\x1b[2m", "\x1b[0m"
 
 
@@ -62,6 +65,8 @@ def add_chat_command(commands: argparse._SubParsersAction) -> None:
     """The `chat` subcommand's options."""
     chat = commands.add_parser("chat", help="chat with a K3 model in the terminal (multi-turn, streamed)")
     chat.add_argument("--model", type=Path, required=True, help="HF release or `k3jax convert` directory")
+    chat.add_argument("--image", type=Path, action="append", default=[], metavar="PATH",
+                      help="an image for the first message (repeatable); /image PATH adds one later")
     chat.add_argument("--system", type=_system, default=None, help="a system message to start with")
     chat.add_argument("--thinking", choices=(*THINKING_EFFORTS, "off"), default="max",
                       help="thinking effort (default max, as the release); off: answer without thinking")
@@ -112,6 +117,10 @@ def _read_line(stdin: TextIO) -> str | None:
     return None if not raw else raw.decode("utf-8", errors="surrogateescape").rstrip("\r\n")
 
 
+def _checked_path(text: str) -> Path:
+    return Path(check_text(text, "the image path"))
+
+
 def run_chat_command(args: argparse.Namespace) -> int:
     """Check the checkpoint's config and tokenizer, load the model, then chat until /exit or end of input."""
     try:
@@ -120,6 +129,14 @@ def run_chat_command(args: argparse.Namespace) -> int:
     except (CheckpointError, ConfigError, OSError, ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    try:
+        if args.image and config.vision is None:
+            raise ValueError(f"--image: {args.model / 'config.json'} has no vision_config (a text-only model)")
+        images = [load_image(path) for path in args.image]
+        processor = ProcessorConfig.from_dir(args.model)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2 if args.image else 1
     top = max(tokenizer.special_tokens.values())
     if top >= config.vocab_size:
         print(f"error: the tokenizer's special ids reach {top}, beyond the model's vocab_size {config.vocab_size}",
@@ -128,12 +145,17 @@ def run_chat_command(args: argparse.Namespace) -> int:
     try:
         model = from_pretrained(args.model, dtype=args.dtype)
         chat = Chat(model, tokenizer, system=args.system, thinking=None if args.thinking == "off" else args.thinking,
-                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                    processor=processor)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    out = sys.stdout
     print(f"k3jax chat ({HELP})", file=sys.stderr)
+    return _loop(chat, images, has_vision=config.vision is not None, out=sys.stdout)
+
+
+def _loop(chat: Chat, images: list, *, has_vision: bool, out: TextIO) -> int:
+    """Read and answer messages until /exit or end of input; `images` go with the next message."""
     while True:
         out.write("> ")
         out.flush()
@@ -148,7 +170,18 @@ def run_chat_command(args: argparse.Namespace) -> int:
             return 0
         if text == "/reset":
             chat.reset()
+            images = []
             print("[conversation cleared]", file=out)
+            continue
+        if text.startswith("/image "):
+            try:
+                if not has_vision:
+                    raise ValueError("this model has no vision tower (its config has no vision_config)")
+                images.append(load_image(_checked_path(text.removeprefix("/image ").strip())))
+            except (OSError, ValueError) as err:
+                print(f"error: {err}", file=out)
+                continue
+            print(f"[{len(images)} image(s) for the next message]", file=out)
             continue
         if text.startswith("/") and " " not in text:
             print(f"unknown command {text} ({HELP})", file=out)
@@ -159,9 +192,20 @@ def run_chat_command(args: argparse.Namespace) -> int:
             print(f"error: {err}", file=out)
             continue
         printer = _Printer(out)
-        reply = chat.send(line, on_text=printer)
+        try:
+            reply = chat.send(line, images=images, on_text=printer)
+        except KeyboardInterrupt:  # Ctrl-C during a reply drops the turn; at the prompt it quits
+            printer.end_channel()
+            print("[interrupted: the turn was dropped]", file=out)
+            continue
+        except ValueError as err:  # e.g. an image the processor refuses: the turn is not taken
+            printer.end_channel()
+            print(f"error: {err}", file=out)
+            continue
+        finally:
+            images = []
         printer.end_channel()
         for call in reply.tool_calls:
             print(f"tool call: {_visible(_format_call(call))}", file=out)
         if not reply.finished:
-            print(f"[cut off at --max-new-tokens {args.max_new_tokens}]", file=out)
+            print(f"[cut off at --max-new-tokens {chat.max_new_tokens}]", file=out)

@@ -12,11 +12,18 @@ chat allocates one twice as large (at least what the turn needs, rounded up to C
 prefills the whole conversation into it once.
 
 The conversation is kept two ways: `messages` (typed, the replies parsed) and `token_ids` (what the
-cache holds, plus the last reply's final token, which is fed at the start of the next turn). When
+cache holds, each image's placeholder as one id, then what the next turn feeds first: the last
+reply's final token and, if it was cut off, the ids that close it). When
 the model writes its reply in the format's grammar, the two agree:
 `token_ids == encode_messages(tokenizer, messages, ..., add_generation_prompt=False)`. A reply cut off
 at `max_new_tokens` is closed with the tokens that end it as a whole message (`closing_ids`) before
 the next turn; the cache always holds the model's own tokens.
+
+Images: `send(text, images=[...])` (PIL images or file paths) puts each image's prompt before the
+text (`<|media_begin|>image WxH<|media_content|><|media_pad|><|media_end|>`, its original size), and
+the model expands its `<|media_pad|>` into the image's features. `extend` takes no images, so a turn
+with images prefills the whole conversation, with every image so far, into a new cache once; the
+turns after it extend that cache as usual.
 """
 
 from __future__ import annotations
@@ -26,15 +33,17 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from k3jax.chat.encoding import DEFAULT_THINKING, THINKING_EFFORTS, Thinking, encode_messages, encode_turn
-from k3jax.chat.messages import Message, SystemMessage, ToolCall, UserMessage
+from k3jax.chat.messages import ImagePart, Message, SystemMessage, ToolCall, UserMessage
 from k3jax.chat.parsing import Channel, ReplyParser
 from k3jax.chat.tokens import control_ids
 from k3jax.generate import decode_step, extend, prefill
 from k3jax.model import K3Model, ModelCache
 from k3jax.sampling import SamplingParams, sample_with
 from k3jax.tokenizer import Tokenizer, check_text
+from k3jax.vision.processor import ImageLike, ProcessorConfig, process_image
 
 CAPACITY_STEP = 1024  # cache capacities are multiples of this (fewer distinct compiled shapes)
 _sample = jax.jit(sample_with, static_argnums=0)
@@ -53,6 +62,17 @@ class Reply:
     errors: tuple[str, ...] = ()  # where the reply broke the format's grammar (see ReplyParser)
 
 
+@dataclass(frozen=True)
+class _Image:
+    """A processed image of the conversation: its patches, grid (t, h, w), original size, and how many
+    positions its one placeholder token becomes in the cache."""
+
+    patches: np.ndarray
+    grid: tuple[int, int, int]
+    size: tuple[int, int]
+    features: int
+
+
 def _positive_int(name: str, value: object, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}={value!r}: expected an integer >= {low}")
@@ -65,12 +85,16 @@ def _round_up(n: int) -> int:
 
 class Chat:
     """A conversation with `model`; see the module docstring. Sampling: `temperature` (0 = greedy; the
-    release's generation_config uses 1.0), `top_p`, `top_k`; `seed` makes it reproducible."""
+    release's generation_config uses 1.0), `top_p`, `top_k`; `seed` makes it reproducible (token i of
+    the conversation's replies draws with `fold_in(key(seed), i)`). `capacity`: the first cache's size
+    (default: what the first turn needs). `processor`: the image processing (a release's
+    `ProcessorConfig.from_dir(path)`; the default is the release's values)."""
 
     def __init__(
         self, model: K3Model, tokenizer: Tokenizer, *, system: str | None = None,
         thinking: Thinking = DEFAULT_THINKING, max_new_tokens: int = 4096, temperature: float = 1.0,
         top_p: float | None = None, top_k: int | None = None, seed: int = 0, capacity: int | None = None,
+        processor: ProcessorConfig = ProcessorConfig(),
     ) -> None:
         if thinking is not None and thinking not in THINKING_EFFORTS:
             raise ValueError(f"thinking={thinking!r}: expected one of {', '.join(THINKING_EFFORTS)}, or None")
@@ -83,6 +107,7 @@ class Chat:
         if system is not None:
             check_text(system, "system")
         self.model, self.tokenizer, self.system, self.thinking = model, tokenizer, system, thinking
+        self.processor = processor
         self.control = control_ids(tokenizer)
         vocab = model.config.vocab_size
         if max(self.control.__dict__.values()) >= vocab:
@@ -100,6 +125,7 @@ class Chat:
         self.token_ids: list[int] = []
         self._pending: list[int] = []  # in token_ids, not yet in the cache
         self._cache: ModelCache | None = None
+        self._images: list[_Image] = []  # every image of the conversation, in order
         self._steps = 0  # tokens sampled so far: step i draws with fold_in(key(seed), i)
 
     @property
@@ -111,43 +137,87 @@ class Chat:
     def cache_capacity(self) -> int:
         return 0 if self._cache is None else self._cache.capacity
 
-    def _run(self, new: Sequence[int]) -> jax.Array:
-        """Put `new` ids after the cached ones; returns the last position's logits [1, vocab]."""
-        cached = len(self.token_ids) - len(self._pending)
-        needed = cached + len(new) + self.max_new_tokens
-        if self._cache is not None and needed <= self._cache.capacity:
+    def _run(self, new: Sequence[int], images: Sequence[_Image]) -> jax.Array:
+        """Put `new` ids (with `images` for their placeholders) after the cached ones; returns the last
+        position's logits [1, vocab]."""
+        history = self.token_ids[: len(self.token_ids) - len(self._pending)]  # what the cache holds
+        cached = len(history) + sum(image.features - 1 for image in self._images)  # placeholders expanded
+        if (self._cache is not None and not images
+                and cached + len(new) + self.max_new_tokens <= self._cache.capacity):
             logits, self._cache = extend(self.model, self._cache, jnp.asarray([new], jnp.int32))
             return logits
-        # First turn, or the cache is full: a larger one, filled with the whole conversation once.
-        capacity = max(needed, 2 * self.cache_capacity, self.initial_capacity or 0)
-        ids = self.token_ids[:cached] + list(new)
-        logits, self._cache = prefill(self.model, jnp.asarray([ids], jnp.int32), capacity=_round_up(capacity))
+        # First turn, new images, no cache (dropped by an interruption), or the cache is full: a new
+        # one, at least twice as large as the last, filled with the whole conversation once.
+        ids = jnp.asarray([history + list(new)], jnp.int32)
+        length = cached + len(new) + sum(image.features - 1 for image in images)
+        capacity = _round_up(max(length + self.max_new_tokens, 2 * self.cache_capacity, self.initial_capacity or 0))
+        every = [*self._images, *images]
+        if not every:
+            logits, self._cache = prefill(self.model, ids, capacity=capacity)
+        else:
+            logits, self._cache = prefill(
+                self.model, ids, capacity=capacity, pixel_values=np.concatenate([image.patches for image in every]),
+                grid_thws=np.asarray([image.grid for image in every], np.int64))
         return logits[:, -1]
+
+    def _process(self, images: Sequence[ImageLike]) -> list[_Image]:
+        """Images (PIL images or file paths) -> their patches and sizes, before anything runs."""
+        if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
+            raise TypeError(f"images: expected a list of PIL images or file paths, got {type(images).__name__}")
+        if images and self.model.vision_tower is None:
+            raise ValueError("images given, but this model has no vision tower (its checkpoint is text-only)")
+        merge = self.processor.merge_kernel_size
+        out = []
+        for image in images:
+            patches, grid, size = process_image(image, self.processor)
+            out.append(_Image(patches, tuple(grid), size, grid[0] * (grid[1] // merge) * (grid[2] // merge)))
+        return out
 
     def _next_token(self, logits: jax.Array, key: jax.Array) -> int:
         """The next token from the last position's logits [1, vocab]."""
         return int(_sample(self.params, logits, key)[0])
 
-    def send(self, text: str, *, on_text: Callable[[Channel, str], object] | None = None) -> Reply:
-        """Add a user turn and generate the reply. `on_text(channel, text)` is called with each new piece
-        of text as it is produced, channel "reasoning", "content" or "tool" (tool-call arguments)."""
+    def send(
+        self, text: str, *, images: Sequence[ImageLike] = (), on_text: Callable[[Channel, str], object] | None = None
+    ) -> Reply:
+        """Add a user turn (`images` first, then `text`) and generate the reply. `on_text(channel, text)`
+        is called with each new piece of text as it is produced, channel "reasoning", "content" or
+        "tool" (tool-call arguments).
+
+        If the turn is interrupted (an exception, Ctrl-C), the conversation is as it was before it and
+        the cache is dropped: the next turn prefills the conversation once."""
         check_text(text, "text")
-        user = UserMessage(text)
-        if self._cache is None:
+        new_images = self._process(images)
+        user = UserMessage([*(ImagePart(*image.size) for image in new_images), text] if new_images else text)
+        if not self.token_ids:
             turn = encode_messages(self.tokenizer, [*self.messages, user], thinking=self.thinking)
         else:
             turn = encode_turn(self.tokenizer, [user], thinking=self.thinking)
-        last = self._run(self._pending + turn)
-        self.messages.append(user)
-        self.token_ids += turn
+        try:
+            reply, parser = self._generate(self._pending + turn, new_images, on_text)
+        except BaseException:
+            self._cache = None  # it may hold part of this turn
+            raise
+        parsed = parser.result()
+        closing = parser.closing_ids()
+        self.messages += [user, parsed.to_message()]
+        self.token_ids += turn + reply + closing
+        self._pending = reply[-1:] + closing
+        self._images += new_images
+        return Reply(parsed.reasoning, parsed.content, parsed.tool_calls, tuple(reply), parsed.finished, parsed.errors)
+
+    def _generate(
+        self, new: list[int], images: Sequence[_Image], on_text: Callable[[Channel, str], object] | None
+    ) -> tuple[list[int], ReplyParser]:
+        """Run `new` after the cached ids, then decode the reply; the ids generated and their parser."""
+        last = self._run(new, images)
         parser = ReplyParser(self.tokenizer, thinking=self.thinking is not None)
         key = jax.random.key(self.seed)
         reply: list[int] = []
         for i in range(self.max_new_tokens):
             if i:
                 last, self._cache = decode_step(self.model, self._cache, jnp.asarray(reply[-1:], jnp.int32))
-            token = self._next_token(last, jax.random.fold_in(key, self._steps))
-            self._steps += 1
+            token = self._next_token(last, jax.random.fold_in(key, self._steps + i))
             reply.append(token)
             pieces = parser.feed([token])
             if token == self.control.end_of_msg or i + 1 == self.max_new_tokens:
@@ -157,9 +227,5 @@ class Chat:
                     on_text(channel, piece)
             if token == self.control.end_of_msg:
                 break
-        parsed = parser.result()
-        closing = parser.closing_ids()
-        self.messages.append(parsed.to_message())
-        self.token_ids += reply + closing
-        self._pending = reply[-1:] + closing
-        return Reply(parsed.reasoning, parsed.content, parsed.tool_calls, tuple(reply), parsed.finished, parsed.errors)
+        self._steps += len(reply)
+        return reply, parser

@@ -6,7 +6,8 @@ are rebuilt from the items when a model is assembled. Model attribute paths mirr
 item `layer_002`, leaf `self_attn.q_proj.weight` <- `model.layers.2.self_attn.q_proj.weight`, and
 the release prefixes every text-model tensor with `language_model.`. Routed experts are one tensor
 per expert in the release (`...experts.<e>.w1.weight`, or an MXFP4 `weight_packed` / `weight_scale`
-pair) and one stacked leaf in the model.
+pair) and one stacked leaf in the model. The vision tower and projector form one more item, `vision`,
+whose leaves carry their release names unprefixed (`vision_tower.encoder.blocks.0.wqkv.weight`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import jax
 
 from k3jax.layer_plan import LayerPlan
 
-EMBED, HEAD = "embed", "head"
+EMBED, HEAD, VISION = "embed", "head", "vision"
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")  # release names (and model paths) of the vision item
 EXPERTS_PREFIX = "block_sparse_moe.experts."
 MXFP4_SUFFIXES = (".weight_packed", ".weight_scale")  # the release's MXFP4 pair: E2M1 codes, E8M0 scales
 RELEASE_PREFIX = "language_model."
@@ -58,6 +60,8 @@ def model_slots(path: list[str | int], plan: LayerPlan) -> list[Slot]:
         return [Slot(EMBED, None, joined)]
     if path[0] in _HEAD_LEVEL:
         return [Slot(HEAD, None, joined)]
+    if joined.startswith(VISION_PREFIXES):
+        return [Slot(VISION, None, joined)]
     section, position, local = path[0], int(path[1]), ".".join(map(str, path[2:]))
     if section == "head_layers":
         layers = [plan.head[position]]
@@ -81,12 +85,15 @@ def abstract_items(abstract) -> dict[str, dict[Slot, jax.ShapeDtypeStruct]]:
     layers = sorted(name for name in found if name.startswith("layer_"))
     return {
         name: dict(sorted(found[name].items(), key=lambda kv: kv[0].target))
-        for name in [EMBED, *layers, HEAD] if name in found
+        for name in [EMBED, *layers, HEAD, VISION] if name in found
     }
 
 
 def source_name(slot: Slot) -> str:
-    """The text-model tensor name of a slot, without the release's `language_model.` prefix."""
+    """The text-model tensor name of a slot, without the release's `language_model.` prefix (a vision
+    slot: its release name)."""
+    if slot.item == VISION:
+        return slot.target
     if slot.layer is not None:
         return f"model.layers.{slot.layer}.{slot.target}"
     return slot.target if slot.target.startswith("lm_head.") else f"model.{slot.target}"
@@ -94,4 +101,4 @@ def source_name(slot: Slot) -> str:
 
 def release_name(slot: Slot) -> str:
     """The release tensor name of a slot (for a stacked expert leaf: the stem the per-expert names extend)."""
-    return RELEASE_PREFIX + source_name(slot)
+    return source_name(slot) if slot.item == VISION else RELEASE_PREFIX + source_name(slot)

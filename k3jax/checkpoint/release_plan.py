@@ -13,8 +13,9 @@ header (bf16 bytes called F16) is an error naming it rather than garbage weights
 Transforms: routed experts are stacked from one tensor per expert (MXFP4 `weight_packed` +
 `weight_scale` decoded when present, plain `.weight` otherwise — decided per tensor, never from the
 config's `ignore` list); `A_log` is stored zero-padded to head_dim and sliced to the heads; anything
-else is copied; every leaf is cast to its target dtype. Vision tower and projector tensors are
-skipped: this is the text model.
+else is copied; every leaf is cast to its target dtype. Vision tower and projector tensors (release
+names without the `language_model.` prefix) are copied into the `vision` item; a model without a
+vision tower skips them (`text_only_without_vision` decides that from the config and the headers).
 
 With packed experts (an abstract model whose experts are `experts.w1.packed` / `experts.w1.scale`,
 uint8) the expert leaves are stacked from the release's `weight_packed` / `weight_scale` tensors
@@ -27,17 +28,20 @@ import dataclasses
 import hashlib
 import json
 import math
+import warnings
 
 import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from k3jax.checkpoint.names import EXPERTS_PREFIX, MXFP4_SUFFIXES, RELEASE_PREFIX, Slot, abstract_items, source_name
+from k3jax.checkpoint.names import (
+    EXPERTS_PREFIX, MXFP4_SUFFIXES, RELEASE_PREFIX, VISION_PREFIXES, Slot, abstract_items, source_name,
+)
 from k3jax.checkpoint.safetensors_index import CheckpointError, CheckpointIndex, TensorInfo
+from k3jax.config import K3Config
 from k3jax.model import K3Model
 
-_NON_TEXT_PREFIXES = ("vision_tower.", "mm_projector.")
 RELEASE_DTYPE = "bfloat16"  # the dtype of the release's weights (its config's `dtype`)
 
 
@@ -100,20 +104,41 @@ def source_experts_are_mxfp4(index: CheckpointIndex) -> bool:
     return bool(names) and all(n.endswith(MXFP4_SUFFIXES) for n in names)
 
 
-class _Sources:
-    """Header-level view of the checkpoint by text-model name; records which tensors the plan uses."""
+def text_only_without_vision(cfg: K3Config, index: CheckpointIndex) -> K3Config:
+    """`cfg` without its vision tower when the checkpoint holds no vision tensors (a text-only model,
+    which refuses images); a warning says so. A config without `vision_config` loads text-only too,
+    and any vision tensors are then left unread."""
+    has_tensors = any(n.startswith(VISION_PREFIXES) for n in index.names())
+    if cfg.vision is not None and not has_tensors:
+        warnings.warn(f"{index.directory}: config.json describes a vision tower but the checkpoint holds no "
+                      "vision_tower.* / mm_projector.* tensors: loading a text-only model (images are refused)",
+                      stacklevel=2)
+        return dataclasses.replace(cfg, vision=None)
+    if cfg.vision is None and has_tensors:
+        warnings.warn(f"{index.directory}: the checkpoint holds vision tensors but config.json has no "
+                      "vision_config: loading a text-only model (images are refused)", stacklevel=2)
+    return cfg
 
-    def __init__(self, index: CheckpointIndex) -> None:
+
+class _Sources:
+    """Header-level view of the checkpoint by text-model name (vision tensors by their release names);
+    records which tensors the plan uses."""
+
+    def __init__(self, index: CheckpointIndex, *, vision: bool) -> None:
         self.index = index
         names = index.names()
         self.prefix = RELEASE_PREFIX if any(n.startswith(RELEASE_PREFIX) for n in names) else ""
+        self.vision = vision  # False: vision tensors are left unread, not unexpected
         self.used: set[str] = set()
 
+    def full(self, name: str) -> str:
+        return name if name.startswith(VISION_PREFIXES) else self.prefix + name
+
     def has(self, name: str) -> bool:
-        return self.prefix + name in self.index
+        return self.full(name) in self.index
 
     def info(self, name: str) -> TensorInfo:
-        full = self.prefix + name
+        full = self.full(name)
         if full not in self.index:
             raise CheckpointError(f"tensor {full} is missing from the checkpoint at {self.index.directory}")
         self.used.add(full)
@@ -122,7 +147,7 @@ class _Sources:
     def unexpected(self) -> list[str]:
         return sorted(
             n for n in self.index.names()
-            if n not in self.used and not n.startswith(_NON_TEXT_PREFIXES)
+            if n not in self.used and (self.vision or not n.startswith(VISION_PREFIXES))
         )
 
 
@@ -236,7 +261,7 @@ def build_plan(index: CheckpointIndex, abstract, *, experts_dtype: str | None = 
     experts (bfloat16 holds every MXFP4 value exactly, at half the bytes of float32). An abstract model
     with packed experts (`abstract_model(..., packed_experts=True)`) plans them as uint8 codes and scales.
     """
-    src = _Sources(index)
+    src = _Sources(index, vision=abstract.vision_tower is not None)
     release_dtypes = _release_dtypes(abstract)
     items = []
     for item_name, slots in abstract_items(abstract).items():

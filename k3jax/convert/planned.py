@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
-from k3jax.checkpoint.release_plan import ReleasePlan, build_plan, source_experts_are_mxfp4
+from k3jax.checkpoint.release_plan import ReleasePlan, build_plan, source_experts_are_mxfp4, text_only_without_vision
 from k3jax.checkpoint.safetensors_index import CheckpointIndex
 from k3jax.config import K3Config
 from k3jax.load.abstract import abstract_model
@@ -42,8 +42,8 @@ def plan_conversion(hf_dir: str | Path, *, dtype: str = "bfloat16", experts: str
     if experts is not None and experts not in EXPERT_FORMATS:
         raise ValueError(f"experts={experts!r}: expected one of {EXPERT_FORMATS} or None")
     hf_dir = Path(hf_dir).absolute()
-    cfg = K3Config.from_hf(hf_dir, dtype=dtype)
     index = CheckpointIndex.open(hf_dir)
+    cfg = text_only_without_vision(K3Config.from_hf(hf_dir, dtype=dtype), index)
     if experts is None and source_experts_are_mxfp4(index):
         experts = "mxfp4"
     abstract = abstract_model(cfg, packed_experts=experts == "mxfp4")

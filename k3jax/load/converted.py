@@ -15,6 +15,7 @@ the manifest's crc32, which costs a full read and checksum of every item on the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from k3jax.checkpoint.names import EXPERTS_PREFIX, Slot, abstract_items
+from k3jax.checkpoint.names import EXPERTS_PREFIX, VISION, Slot, abstract_items
 from k3jax.checkpoint.safetensors_index import CheckpointError
 from k3jax.checkpoint.store import CHECKSUM, MANIFEST, ItemStore, read_complete_manifest
 from k3jax.config import K3Config
@@ -69,6 +70,8 @@ def load_items(
                               "with --experts mxfp4 (or load the release directory itself)")
     packed = stored_packed if experts is None else experts == "mxfp4"
     cfg = K3Config.from_hf(root, dtype=dtype)
+    if VISION not in manifest["items"]:  # converted from a text-only release (planning said so)
+        cfg = dataclasses.replace(cfg, vision=None)
     abstract = abstract_model(cfg, packed_experts=packed, kernels=kernels)
     stored = abstract if packed == stored_packed else abstract_model(cfg, packed_experts=stored_packed)
     mesh = None if mesh is None else make_mesh(mesh)

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from k3jax.checkpoint.names import Slot
-from k3jax.checkpoint.release_plan import build_plan
+from k3jax.checkpoint.release_plan import build_plan, text_only_without_vision
 from k3jax.checkpoint.region import leaf_array
 from k3jax.checkpoint.safetensors_index import CheckpointIndex
 from k3jax.checkpoint.transform import materialize_item
@@ -43,8 +43,9 @@ def load_hf_model(
     if experts not in EXPERTS:
         raise ValueError(f"experts={experts!r}: expected one of {EXPERTS}")
     path = Path(path).absolute()
-    cfg = K3Config.from_hf(path, dtype=dtype)
-    return release_model(CheckpointIndex.open(path), cfg, packed_experts=experts == "mxfp4", kernels=kernels,
+    index = CheckpointIndex.open(path)
+    cfg = text_only_without_vision(K3Config.from_hf(path, dtype=dtype), index)
+    return release_model(index, cfg, packed_experts=experts == "mxfp4", kernels=kernels,
                          mesh=None if mesh is None else make_mesh(mesh))
 
 

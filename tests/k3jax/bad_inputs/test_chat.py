@@ -3,7 +3,10 @@ a row; add rows to extend."""
 
 from __future__ import annotations
 
+import io
+import json
 import re
+import sys
 
 import pytest
 
@@ -11,9 +14,11 @@ from k3jax.chat import (
     AssistantMessage, ImagePart, ToolCall, ToolMessage, UserMessage, control_ids, encode_messages, k3_tokenizer,
     messages_from_dicts,
 )
+from k3jax.chat.repl import _loop
+from k3jax.chat.session import Chat
 from k3jax.cli import main
 from k3jax.tokenizer import ByteTokenizer, load_tokenizer
-from tests.k3jax.chat.helpers import bpe_tokenizer
+from tests.k3jax.chat.helpers import GOLDEN_DIR, bpe_tokenizer
 from tests.k3jax.test_tokenizer import _write_tokenizer_dir
 
 
@@ -48,6 +53,8 @@ def test_tokenizers_without_k3_specials(tokenizer, message):
      r"messages\[0\].tool_calls\[0\].arguments\['k'\]: expected a JSON value, got object"),
     ({}, [AssistantMessage("", tool_calls=("f",))], TypeError, r"messages\[0\].tool_calls\[0\]: expected a ToolCall"),
     ({}, [ToolMessage("r")], ValueError, r"messages\[0\]: a tool result with no tool name"),
+    ({}, [AssistantMessage("", tool_calls=(ToolCall("f", '{"a": 1}'),))], TypeError,
+     r"messages\[0\].tool_calls\[0\]: expected a string name and arguments as a dict or RawArguments, got str and str"),
     ({}, [UserMessage("caf\udce9")], ValueError, r"not valid UTF-8: byte 0xe9"),
 ])
 def test_bad_options_and_messages(kwargs, messages, error, message):
@@ -97,3 +104,53 @@ def test_chat_command_checks_the_checkpoint_before_loading(tmp_path, capsys, gol
     _write_tokenizer_dir(tmp_path)  # a K2-style tokenizer beside the tiny config: refused before any weight loads
     assert main(["chat", "--model", str(tmp_path)]) == 1
     assert "but K3's is '<|open|>'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"thinking": "medium"}, r"thinking='medium': expected one of low, high, max, or None"),
+    ({"max_new_tokens": 0}, r"max_new_tokens=0: expected an integer >= 1"),
+    ({"max_new_tokens": 2.0}, r"max_new_tokens=2.0: expected an integer >= 1"),
+    ({"seed": -1}, r"seed=-1: expected an integer >= 0"),
+    ({"seed": 2**32}, r"seed=4294967296: expected an integer in \[0, 2\*\*32 - 1\]"),
+    ({"temperature": -0.5}, r"temperature=-0.5: expected a finite number >= 0"),
+    ({"top_p": 0}, r"top_p=0: expected 0 < top_p <= 1"),
+    ({"capacity": 0}, r"capacity=0: expected an integer >= 1"),
+    ({"system": "caf\udce9"}, r"system is not valid UTF-8: byte 0xe9"),
+])
+def test_bad_chat_settings(golden_model_fp32, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Chat(golden_model_fp32, k3_tokenizer(load_tokenizer(GOLDEN_DIR)), **kwargs)
+
+
+def test_chat_model_and_tokenizer_must_belong_together(golden_model_fp32):
+    with pytest.raises(ValueError, match=r"the model's eos_token_id=258 is not the tokenizer's <\|end_of_msg\|> \(\d+\)"):
+        Chat(golden_model_fp32, bpe_tokenizer())
+    with pytest.raises(TypeError, match=r"text: expected a string, got int"):
+        Chat(golden_model_fp32, k3_tokenizer(load_tokenizer(GOLDEN_DIR))).send(3)
+
+
+def test_chat_command_checks_images_before_loading(tmp_path, capsys, golden_dir):
+    assert main(["chat", "--model", str(golden_dir), "--image", str(tmp_path / "none.png")]) == 2
+    assert f"image file {tmp_path / 'none.png'} does not exist" in capsys.readouterr().err
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    assert main(["chat", "--model", str(golden_dir), "--image", str(tmp_path / "bad.png")]) == 2
+    assert f"cannot decode image file {tmp_path / 'bad.png'}" in capsys.readouterr().err
+    config = json.loads((golden_dir / "config.json").read_text())
+    del config["vision_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["chat", "--model", str(tmp_path), "--image", str(tmp_path / "bad.png")]) == 2
+    assert "has no vision_config (a text-only model)" in capsys.readouterr().err
+
+
+def test_chat_repl_commands_without_a_reply(golden_model_fp32, monkeypatch, capsys, tmp_path):
+    """Lines that never reach the model: unknown commands, /image errors, blank lines, then /exit."""
+    chat = Chat(golden_model_fp32, k3_tokenizer(load_tokenizer(GOLDEN_DIR)))
+    lines = ["/help", f"/image {tmp_path / 'none.png'}", "   ", "/exit", "never read"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert _loop(chat, [], has_vision=True, out=sys.stdout) == 0
+    out = capsys.readouterr().out
+    assert "unknown command /help (/image PATH attaches" in out
+    assert f"error: image file {tmp_path / 'none.png'} does not exist" in out
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {tmp_path / 'none.png'}\n"))
+    assert _loop(chat, [], has_vision=False, out=sys.stdout) == 0
+    assert "error: this model has no vision tower" in capsys.readouterr().out

@@ -1,6 +1,6 @@
-"""docs/chat.md: the format example runs as written, and so does the command line (with no input it
-loads the model and quits). The multi-turn `Chat` example is the flow test_session.py checks on the
-same tiny model; it is not run again here (its compilations are the slow part of those tests)."""
+"""docs/chat.md: its Python examples run as written, in order (the chat example has the shapes of
+test_session.py's first test, so either compiles the programs the other uses), and so does the
+command line (with no input it loads the model and quits)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ from k3jax.cli import main
 DOC = (Path(__file__).resolve().parents[3] / "docs" / "chat.md").read_text()
 
 
-def test_the_format_example_runs(capsys):
-    block = re.findall(r"^```python\n(.*?)^```", DOC, flags=re.S | re.M)[0]
+def test_the_python_examples_run(capsys):
+    format_block, chat_block = re.findall(r"^```python\n(.*?)^```", DOC, flags=re.S | re.M)
     namespace: dict = {}
-    exec(compile(block, "docs/chat.md", "exec"), namespace)
+    exec(compile(format_block, "docs/chat.md", "exec"), namespace)
     out = capsys.readouterr().out
     assert "18 C, sunny" in out and "Easy. | Sunny. | True" in out
     assert sum(namespace["loss_mask"]) > 0
+    exec(compile(chat_block, "docs/chat.md", "exec"), namespace)
+    assert namespace["chat"].messages == [namespace["SystemMessage"]("Be brief.")]  # after reset
 
 
 def test_the_command_line_example_runs(monkeypatch, capsys):

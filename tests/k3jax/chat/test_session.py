@@ -81,11 +81,11 @@ def test_history_reencodes_as_the_messages(golden_model_fp32, monkeypatch):
     """Replies in the grammar, the first cut off at max_new_tokens and closed: the token history is the
     messages' encoding. Same system, thinking and first message as above: the compiled prefill is reused."""
     tok, counter = byte_tokenizer(), CountingPrefill(monkeypatch)
-    chat = ScriptedChat(golden_model_fp32, tok, system="Be brief.", thinking="high", max_new_tokens=40,
+    chat = ScriptedChat(golden_model_fp32, tok, system="Be brief.", thinking="high", max_new_tokens=45,
                         temperature=0.0, replies=[AssistantMessage("", "x" * 60), AssistantMessage("Hi!", "Go.")])
     replies = [chat.send(text) for text in ("Hi", "Why?")]
-    assert [(r.reasoning, r.content, r.finished) for r in replies] == [("x" * 40, "", False), ("Go.", "Hi!", True)]
-    assert chat.messages[2::2] == [AssistantMessage("", "x" * 40), AssistantMessage("Hi!", "Go.")]
+    assert [(r.reasoning, r.content, r.finished) for r in replies] == [("x" * 45, "", False), ("Go.", "Hi!", True)]
+    assert chat.messages[2::2] == [AssistantMessage("", "x" * 45), AssistantMessage("Hi!", "Go.")]
     assert chat.token_ids == encode_messages(tok, chat.messages, thinking="high", add_generation_prompt=False)
     assert chat.cache_length == len(chat.token_ids) - 1 and len(counter.calls) == 1
     chat.reset()
@@ -106,10 +106,12 @@ class FakeModelCalls:
         for name in ("prefill", "extend", "decode_step"):
             monkeypatch.setattr(session_module, name, getattr(self, name))
 
-    def prefill(self, model, ids, *, capacity):
-        assert ids.shape[1] <= capacity
-        self.prefills.append((ids.shape[1], capacity))
-        return jnp.zeros((1, ids.shape[1], self.vocab)), FakeCache(ids.shape[1], capacity)
+    def prefill(self, model, ids, *, capacity, pixel_values=None, grid_thws=None):
+        """Counts the placeholders as the model expands them: (h/2)(w/2) positions per image."""
+        length = ids.shape[1] + (0 if grid_thws is None else int((grid_thws[:, 1] * grid_thws[:, 2] // 4 - 1).sum()))
+        assert length <= capacity
+        self.prefills.append((ids.shape[1], capacity) if grid_thws is None else (ids.shape[1], capacity, len(grid_thws)))
+        return jnp.zeros((1, length, self.vocab)), FakeCache(length, capacity)
 
     def extend(self, model, cache, ids):
         assert cache.length + ids.shape[1] <= cache.capacity, "extend past the capacity"
@@ -144,3 +146,23 @@ def test_the_cache_grows_when_full(golden_model_fp32, monkeypatch):
         assert chat.cache_length == len(chat.token_ids) - 1 and chat.cache_length > cached
     assert seen == {"first", "extended", "grown"}
     assert chat.token_ids == encode_messages(tok, chat.messages, thinking=None, add_generation_prompt=False)
+
+
+def test_an_interrupted_turn_leaves_the_conversation_as_it_was(golden_model_fp32, monkeypatch):
+    tok, calls = byte_tokenizer(), FakeModelCalls(monkeypatch, golden_model_fp32.config.vocab_size)
+    chat = ScriptedChat(golden_model_fp32, tok, thinking="high", max_new_tokens=50, temperature=0.0,
+                        replies=[AssistantMessage("One."), AssistantMessage("Two, long."), AssistantMessage("Three.")])
+    chat.send("Hi")
+    before = (list(chat.messages), list(chat.token_ids))
+
+    def interrupt(channel, text):
+        if channel == "content":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        chat.send("Next", on_text=interrupt)
+    assert (chat.messages, chat.token_ids, chat.cache_length) == (*before, 0)
+    chat.send("Next")  # the dropped cache: the conversation is prefilled once, then goes on
+    assert calls.prefills[-1][0] == len(before[1]) + len(encode_turn(tok, [UserMessage("Next")], thinking="high"))
+    assert chat.messages[-1] == AssistantMessage("Three.", "")
+    assert chat.token_ids == encode_messages(tok, chat.messages, thinking="high", add_generation_prompt=False)

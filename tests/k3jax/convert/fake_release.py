@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from k3jax.checkpoint.names import EXPERTS_PREFIX, abstract_items, release_name
+from k3jax.checkpoint.names import EXPERTS_PREFIX, VISION, abstract_items, release_name
 from k3jax.config import K3Config
 from k3jax.model import K3Model
 
@@ -38,7 +38,9 @@ def release_tensors(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     cfg = K3Config.from_hf(config)
     abstract = nnx.eval_shape(lambda: K3Model.init(cfg))
     tensors = []
-    for slots in abstract_items(abstract).values():
+    for item, slots in abstract_items(abstract).items():
+        if item == VISION:  # listed from vision_config alone, so the model's names are checked against it
+            continue
         for slot, leaf in slots.items():
             name, dtype, shape = release_name(slot), _ST_DTYPES[np.dtype(leaf.dtype).name], tuple(leaf.shape)
             if slot.target.startswith(EXPERTS_PREFIX):

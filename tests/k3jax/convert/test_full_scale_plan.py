@@ -2,8 +2,8 @@
 
 `fake_release.write_fake_release` writes the release's 96 shards with real tensor names, shapes and
 dtypes and sparse (hole) bodies; `k3jax convert FAKE --plan-only --mesh expert=64,tensor=8` must map
-every tensor (no missing, unexpected or mis-shaped one), keep the experts MXFP4-packed, skip the
-vision tower, and report what each of the 512 devices would hold.
+every tensor (no missing, unexpected or mis-shaped one), keep the experts MXFP4-packed, map the
+vision tower and projector, and report what each of the 512 devices would hold.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ def test_fake_release_is_header_faithful_and_takes_no_disk(fake_release):
 def test_plan_only_maps_the_whole_release_and_reports_bytes_per_device(fake_release, capsys):
     assert main(["convert", str(fake_release), "--plan-only", "--mesh", "expert=64,tensor=8"]) == 0
     out = capsys.readouterr().out
-    assert "items: 95, leaves: 3012, largest item: layer_001" in out  # embed, 93 layers, head
+    # embed, 93 layers, head, vision (27 blocks of 6 leaves, patch embedding, position table, final norm, 3 projector)
+    assert "items: 96, leaves: 3180, largest item: layer_001" in out
     assert "language_model.model.layers.92.block_sparse_moe.experts.{0..895}.w3.weight_scale" in out
-    assert "vision_tower" not in out and "mm_projector" not in out
+    assert "vision_tower.encoder.blocks.26.wqkv.weight" in out and "mm_projector.proj.2.weight" in out
     total = int(re.search(r"total: (\d+) bytes written", out).group(1))
     assert 1.4 * TB < total < 1.7 * TB  # experts at 4.25 bits/weight: the whole model fits ~1.5 TB
     line = next(line for line in out.splitlines() if line.startswith("mesh expert=64,tensor=8 (512 devices): "))

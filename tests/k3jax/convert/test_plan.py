@@ -33,7 +33,7 @@ def test_plan_matches_the_abstract_model_per_layer(golden_dir):
     cfg = K3Config.from_hf(golden_dir, dtype="float32")
     abstract = nnx.eval_shape(lambda: K3Model.init(cfg))
     expected = abstract_items(abstract)
-    assert [item.name for item in plan.items] == ["embed", *(f"layer_{i:03d}" for i in range(13)), "head"]
+    assert [item.name for item in plan.items] == ["embed", *(f"layer_{i:03d}" for i in range(13)), "head", "vision"]
     for item in plan.items:
         targets = {slot.target: leaf for slot, leaf in expected[item.name].items()}
         assert [leaf.target for leaf in item.leaves] == list(targets)
@@ -50,6 +50,8 @@ def test_plan_matches_the_abstract_model_per_layer(golden_dir):
     assert (a_log.kind, a_log.shape, a_log.transform) == ("a_log", (4,), "A_log slice [32] -> [4]")
     assert plan.item("head").leaf("lm_head.weight").parts == (("language_model.lm_head.weight",),)
     assert plan.item("layer_002").leaf("self_attn.q_proj.weight").transform == "cast bfloat16 -> float32"
+    wqkv = plan.item("vision").leaf("vision_tower.encoder.blocks.1.wqkv.weight")
+    assert (wqkv.parts, wqkv.shape) == ((("vision_tower.encoder.blocks.1.wqkv.weight",),), (288, 64))
 
 
 def test_plan_only_prints_bytes_per_leaf_and_totals(golden_dir, capsys, tmp_path):
@@ -59,7 +61,7 @@ def test_plan_only_prints_bytes_per_leaf_and_totals(golden_dir, capsys, tmp_path
     assert "block_sparse_moe.experts.w1" in out
     assert "stack 16 experts, MXFP4 decode -> bfloat16" in out
     assert "layers.1.block_sparse_moe.experts.{0..15}.w1.weight_{packed,scale}" in out
-    assert f"items: 15, leaves: {sum(len(i.leaves) for i in plan.items)}" in out
+    assert f"items: 16, leaves: {sum(len(i.leaves) for i in plan.items)}" in out  # embed, 13 layers, head, vision
     assert f"total: {plan.nbytes} bytes written" in out
     assert f"from {plan.source_bytes} bytes read" in out
     row = next(line for line in out.splitlines() if line.startswith("embed "))
