@@ -1,4 +1,4 @@
-"""The `k3jax` command line: `demo`, `generate`, `chat`, `convert` and `plan`."""
+"""The `k3jax` command line: `demo`, `generate`, `chat`, `convert`, `plan` and `serve`."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from k3jax.generate import generate
 from k3jax.load.paths import checkpoint_path, is_remote, load_config
 from k3jax.memory_plan.command import add_plan_command, int_at_least, run_plan_command
 from k3jax.pretrained import from_pretrained
+from k3jax.serving.command import add_serve_command, run_serve_command
 from k3jax.tokenizer import ByteFallbackWarning, Tokenizer, check_text, load_tokenizer
 from k3jax.units import format_bytes
 from sharding import parse_mesh_spec
@@ -316,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "killed run still resumes exactly, a machine crash may need --resume --verify)")
 
     add_plan_command(commands)
+    add_serve_command(commands)
 
     args = parser.parse_args(argv)
     try:
@@ -343,11 +345,11 @@ def _run(args: argparse.Namespace) -> int:
             return run_demo(prompt=args.prompt, max_new_tokens=args.max_new_tokens, mesh=args.mesh)
     if args.mesh is not None:
         _use_fake_cpu_devices()
-    distributed.initialize()  # generate: join a multi-process job if the environment describes one
+    distributed.initialize()  # generate, serve: join a multi-process job if the environment describes one
     if args.mesh is not None:
         if not _mesh_fits(args.mesh):
             return 2
-    return _run_generation(args)
+    return run_serve_command(args) if args.command == "serve" else _run_generation(args)
 
 
 def _mesh_fits(spec: str | None) -> bool:

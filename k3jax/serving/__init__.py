@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving: continuous batching over a slot cache, prefix caching, HTTP routes."""

@@ -1,0 +1,373 @@
+"""Continuous batching: requests join a running decode batch at step boundaries and leave when done.
+
+One engine thread owns the model and the slot cache (`slots.py`). Each iteration it
+  1. takes new submissions and cancellations (a cancelled request frees its slot at once);
+  2. runs ONE prefill chunk of the request being admitted (a free slot is reserved for it): the prompt
+     runs on its own one-row cache through `k3jax.extend`, continuing a prefix-cache snapshot when one
+     matches; when the prompt is done its first token is sampled and the row is inserted into the slot;
+  3. runs ONE decode step of every active slot and hands each request its token; requests that hit a
+     stop token or their token budget are retired (snapshotted into the prefix cache first).
+so long prompts are prefilled in chunks interleaved with decode steps.
+
+Compiled shapes are bounded: a fresh prompt is left-padded to a bucket (a power of two up to the
+chunk size, else a multiple of it) and run in chunks of the chunk size; the rest of a prompt after a
+prefix hit runs in chunk-size pieces, then power-of-two pieces. Row b of a decode step computes what
+the request computes alone (see `slots.py`), and step i of a request samples with the i-th key of
+its seed (`sampler.py`), so its tokens are those `k3jax.generate` gives for it alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from k3jax.generate import extend
+from k3jax.model import K3Model, ModelCache, run_model
+from k3jax.serving.metrics import Metrics
+from k3jax.serving.prefix_cache import PrefixCache, restored
+from k3jax.serving.request import Finish, GenerationRequest, QueueFull, ShuttingDown, Sink
+from k3jax.serving.sampler import RowParams, request_keys, sample_rows
+from k3jax.serving.slots import IDLE, empty_row, empty_slots, extract_row, insert_row, set_clock, shift_slots
+
+log = logging.getLogger(__name__)
+MIN_BUCKET = 16  # the smallest padded prompt width
+
+
+@dataclass(eq=False)
+class _Request:
+    req: GenerationRequest
+    sink: Sink
+    submitted: float
+    keys: np.ndarray | None = None
+    generated: list[int] = field(default_factory=list)
+    slot: int = -1
+    cached: int = 0
+    cancelled: bool = False
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class _Prefill:
+    request: _Request
+    cache: ModelCache
+    segments: collections.deque  # np.int32 [1, T] pieces still to run
+
+
+class Handle:
+    """A submitted request; `cancel()` frees its slot at the next step boundary."""
+
+    def __init__(self, scheduler: "Scheduler", request: _Request) -> None:
+        self._scheduler, self._request = scheduler, request
+
+    def cancel(self) -> None:
+        self._scheduler._cancel(self._request)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("any_sampling",))
+def _decode(model: K3Model, cache: ModelCache, tokens: jax.Array, keys: jax.Array, params: RowParams,
+            any_sampling: bool) -> tuple[jax.Array, ModelCache]:
+    out, cache = run_model(model, tokens[:, None], cache)
+    return sample_rows(out.logits[:, 0], keys, params, any_sampling=any_sampling), cache
+
+
+_sample = jax.jit(sample_rows, static_argnames=("any_sampling",))
+
+
+def _pieces(count: int, chunk: int) -> list[int]:
+    """Sizes that sum to `count`: chunk-size pieces, then the binary decomposition of the rest."""
+    sizes = [chunk] * (count // chunk)
+    rest = count % chunk
+    while rest:
+        sizes.append(1 << (rest.bit_length() - 1))
+        rest -= sizes[-1]
+    return sizes
+
+
+class Scheduler:
+    """The continuous-batching engine. `max_len` bounds prompt + completion of one request."""
+
+    def __init__(self, model: K3Model, *, max_batch: int, max_len: int, prefill_chunk: int = 512,
+                 max_queue: int = 1024, prefix_cache: PrefixCache | None = None, metrics: Metrics | None = None,
+                 pad_token_id: int | None = None, headroom: int | None = None) -> None:
+        """`headroom`: slot-cache positions beyond max_len; the clock rolls back at most once per that
+        many decode steps (default max_len // 4). `pad_token_id` fills padding (default: the config's)."""
+        for name, value in (("max_batch", max_batch), ("max_len", max_len), ("prefill_chunk", prefill_chunk),
+                            ("headroom", 1 if headroom is None else headroom)):
+            if value < 1:
+                raise ValueError(f"{name}={value}: expected an integer >= 1")
+        if max_queue < 0:
+            raise ValueError(f"max_queue={max_queue}: expected an integer >= 0")
+        self.model, self.max_batch, self.max_len, self.chunk = model, max_batch, max_len, prefill_chunk
+        self.max_queue = max_queue
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0)
+        self.metrics = metrics if metrics is not None else Metrics(max_batch)
+        cfg = model.config
+        self.pad_id = pad_token_id if pad_token_id is not None else (cfg.pad_token_id or 0)
+        self.row_capacity = -(-max_len // prefill_chunk) * prefill_chunk + prefill_chunk
+        self.capacity = max_len + (max(max_len // 4, 1) if headroom is None else headroom)
+        self._slots = empty_slots(model, max_batch, self.capacity)
+        self._length, self._start = 0, [IDLE] * max_batch
+        self._active: dict[int, _Request] = {}
+        self._free = list(range(max_batch - 1, -1, -1))
+        self._pending: collections.deque[_Request] = collections.deque()
+        self._prefill: _Prefill | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._abort = False
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ---- submission (any thread) -------------------------------------------------------
+    def submit(self, req: GenerationRequest, sink: Sink) -> Handle:
+        """Queue a request; raises QueueFull or ShuttingDown. The prompt must already be checked."""
+        if len(req.prompt) + req.max_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.max_tokens}) exceeds "
+                             f"max_len={self.max_len}")
+        request = _Request(req, sink, time.perf_counter())
+        with self._lock:
+            if self._closed:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._pending) >= self.max_queue:
+                raise QueueFull(f"{len(self._pending)} requests are waiting (max {self.max_queue})")
+            self._pending.append(request)
+        self.metrics.request_started(len(req.prompt))
+        self._wake.set()
+        return Handle(self, request)
+
+    def _cancel(self, request: _Request) -> None:
+        request.cancelled = True
+        self._wake.set()
+
+    # ---- the engine thread --------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="k3jax-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Take no more requests; finish the ones in flight (`drain`) or abort them; join the thread."""
+        with self._lock:
+            self._closed = True
+        self._abort = not drain  # the engine thread cancels everything at its next step
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                did = self.step()
+            except Exception as err:  # an engine bug fails what is in flight, never the thread
+                self._reset(err)
+                did = True
+            if not did:
+                if self._stop.is_set():
+                    return
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def _reset(self, err: Exception) -> None:
+        """Fail the requests being prefilled and decoded; start again from empty slots."""
+        log.error("engine step failed; failing the requests in flight", exc_info=err)
+        staged = [self._prefill.request] if self._prefill else []
+        self._prefill = None
+        for request in [*self._active.values(), *staged]:
+            self._finish(request, "error", f"{type(err).__name__}: {err}")
+        self._active.clear()
+        self._free = list(range(self.max_batch - 1, -1, -1))
+        self._length, self._start = 0, [IDLE] * self.max_batch
+        self._slots = set_clock(empty_slots(self.model, self.max_batch, self.capacity), self._length, self._start)
+
+    def run_until_idle(self) -> None:
+        """Run steps in the calling thread until nothing is queued or running (no engine thread)."""
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """One iteration: cancellations, one prefill chunk, one decode step. False if there was nothing to do."""
+        self._reap_cancelled()
+        did = False
+        if self._prefill is None and self._free:
+            with self._lock:
+                request = self._pending.popleft() if self._pending else None
+            if request is not None:
+                self._begin_prefill(request)
+                did = True
+        if self._prefill is not None:
+            self._run_prefill_chunk()
+            did = True
+        if self._active:
+            self._decode_step()
+            did = True
+        self.metrics.observe_state(len(self._pending), len(self._active))
+        return did
+
+    # ---- request life cycle ------------------------------------------------------------
+    def _finish(self, request: _Request, reason: str, error: str | None = None) -> None:
+        if request.finished:
+            return
+        request.finished = True
+        finish = Finish(reason, len(request.req.prompt), len(request.generated), request.cached, error)
+        self.metrics.request_finished(reason)
+        try:
+            request.sink.finish(finish)
+        except Exception:  # a broken sink must not stop the engine
+            log.exception("request sink failed")
+
+    def _emit(self, request: _Request, token: int) -> str | None:
+        """Hand a token to the request; the finish reason if it is its last."""
+        if not request.generated:
+            self.metrics.first_token(time.perf_counter() - request.submitted)
+        request.generated.append(token)
+        self.metrics.tokens_generated(1)
+        try:
+            request.sink.token(token)
+        except Exception:
+            log.exception("request sink failed")
+            return "abort"
+        if token in request.req.stop_ids:
+            return "stop"
+        if len(request.generated) >= request.req.max_tokens:
+            return "length"
+        return None
+
+    def _free_slot(self, slot: int) -> None:
+        self._start[slot] = IDLE
+        self._free.append(slot)
+
+    def _reap_cancelled(self) -> None:
+        if self._abort:
+            staged = [self._prefill.request] if self._prefill else []
+            for request in [*self._pending, *self._active.values(), *staged]:
+                request.cancelled = True
+        with self._lock:
+            dropped = [r for r in self._pending if r.cancelled]
+            for r in dropped:
+                self._pending.remove(r)
+        for r in dropped:
+            self._finish(r, "abort")
+        if self._prefill is not None and self._prefill.request.cancelled:
+            request, self._prefill = self._prefill.request, None
+            self._free_slot(request.slot)
+            self._finish(request, "abort")
+        for slot, request in list(self._active.items()):
+            if request.cancelled:
+                del self._active[slot]
+                self._free_slot(slot)
+                self._finish(request, "abort")
+
+    def _begin_prefill(self, request: _Request) -> None:
+        req = request.req
+        request.slot = self._free.pop()
+        request.keys = request_keys(req.seed, req.max_tokens)
+        snap = self.prefix_cache.lookup(req.prompt) if self.prefix_cache.enabled else None
+        if snap is not None:
+            request.cached = len(snap.tokens)
+            cache = restored(snap.cache, self.row_capacity)
+            rest = np.asarray(req.prompt[len(snap.tokens):], np.int32)
+            sizes = _pieces(len(rest), self.chunk)
+        else:
+            count = len(req.prompt)
+            width = (-(-count // self.chunk) * self.chunk if count >= self.chunk
+                     else min(self.chunk, max(MIN_BUCKET, 1 << (count - 1).bit_length())))
+            cache = empty_row(self.model, self.row_capacity, width - count)
+            rest = np.asarray([self.pad_id] * (width - count) + list(req.prompt), np.int32)
+            sizes = [min(width, self.chunk)] * (width // min(width, self.chunk))
+        offsets = np.cumsum([0, *sizes])
+        segments = collections.deque(rest[None, a:b] for a, b in zip(offsets[:-1], offsets[1:]))
+        self.metrics.prefix_lookup(len(req.prompt), request.cached)
+        self._prefill = _Prefill(request, cache, segments)
+
+    def _run_prefill_chunk(self) -> None:
+        prefill = self._prefill
+        request = prefill.request
+        try:
+            logits, prefill.cache = extend(self.model, prefill.cache, prefill.segments.popleft())
+            if prefill.segments:
+                if self.prefix_cache.enabled:
+                    seen = int(prefill.cache.length) - int(prefill.cache.start[0])
+                    self.prefix_cache.store(request.req.prompt[:seen], prefill.cache)
+                return
+            self._prefill = None
+            self.prefix_cache.store(request.req.prompt, prefill.cache)
+            req = request.req
+            params = RowParams.of([(req.temperature, req.top_k, req.top_p)])
+            token = int(_sample(logits, request.keys[:1], params, any_sampling=req.temperature > 0)[0])
+        except Exception as err:  # a failed prefill fails this request only
+            log.exception("prefill failed")
+            self._prefill = None
+            self._free_slot(request.slot)
+            self._finish(request, "error", f"{type(err).__name__}: {err}")
+            return
+        reason = self._emit(request, token)
+        if reason is not None:
+            self._free_slot(request.slot)
+            self._finish(request, reason)
+            return
+        self._insert(request, prefill.cache)
+
+    def _insert(self, request: _Request, row: ModelCache) -> None:
+        row_length, row_start = int(row.length), int(row.start[0])
+        real = row_length - row_start
+        if real > self._length:  # the clock is behind this prompt: move every row later
+            if self._active:
+                self._slots = shift_slots(self._slots, np.int32(real - self._length))
+                for slot in self._active:
+                    self._start[slot] += real - self._length
+            self._length = real
+        shift = self._length - row_length
+        self._slots = insert_row(self._slots, row, np.int32(request.slot), np.int32(shift))
+        self._start[request.slot] = self._length - real
+        self._slots = set_clock(self._slots, self._length, self._start)
+        self._active[request.slot] = request
+
+    def _decode_step(self) -> None:
+        if self._length >= self.capacity:  # out of positions: drop those before the oldest request
+            shift = -min(self._start[s] for s in self._active)
+            self._slots = shift_slots(self._slots, np.int32(shift))
+            for slot in self._active:
+                self._start[slot] += shift
+            self._length += shift
+            self._slots = set_clock(self._slots, self._length, self._start)
+        tokens = np.full(self.max_batch, self.pad_id, np.int32)
+        keys = np.zeros((self.max_batch, 2), np.uint32)
+        rows = [(0.0, None, None)] * self.max_batch
+        for slot, request in self._active.items():
+            tokens[slot] = request.generated[-1]
+            keys[slot] = request.keys[len(request.generated)]
+            rows[slot] = (request.req.temperature, request.req.top_k, request.req.top_p)
+        params = RowParams.of(rows)
+        try:
+            new, self._slots = _decode(self.model, self._slots, tokens, keys, params,
+                                       any_sampling=bool((params.temperature > 0).any()))
+            new = np.asarray(new)
+        except Exception as err:  # the cache was donated: start over with empty slots
+            self._reset(err)
+            return
+        self._length += 1
+        for slot, request in list(self._active.items()):
+            reason = self._emit(request, int(new[slot]))
+            if reason is not None:
+                del self._active[slot]
+                self._retire(request, reason)
+
+    def _retire(self, request: _Request, reason: str) -> None:
+        """Free the slot; first snapshot its prompt and completion (all but the last token, which was
+        never fed) into the prefix cache."""
+        if self.prefix_cache.enabled and len(request.generated) > 1:
+            try:
+                row = extract_row(self._slots, np.int32(request.slot), np.int32(self._start[request.slot]),
+                                  self.row_capacity)
+                self.prefix_cache.store(request.req.prompt + tuple(request.generated[:-1]), row)
+            except Exception:
+                log.exception("prefix snapshot failed")
+        self._free_slot(request.slot)
+        self._finish(request, reason)

@@ -1,0 +1,130 @@
+"""The continuous-batching engine on k3-tiny-a (fp32), without HTTP.
+
+Reference: `k3jax.generate` run alone on each prompt (batch 1, streamed with a fixed capacity so that
+its decode step compiles once). A request's tokens must be identical whatever else shares the batch:
+requests outnumber the slots (admitted mid-decode as others retire), prompts have different lengths
+(rows at different offsets of the shared clock), one request samples with a seed, and the clock is
+made to run out of positions (rows rolled back) and to fall behind a long prompt (rows rolled on).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import k3jax
+from k3jax.serving import scheduler as scheduler_module
+from k3jax.serving.prefix_cache import PrefixCache
+from k3jax.serving.request import Finish, GenerationRequest
+from k3jax.serving.scheduler import Scheduler
+
+MAX_LEN, CHUNK, HEADROOM = 32, 16, 3
+REF_CAPACITY = MAX_LEN  # every request fits: prompt + max_tokens <= MAX_LEN
+LENGTHS = (5, 30, 13, 21) * 2  # the 30-token prompt arrives while the clock is behind it
+BUDGETS = {5: 20, 30: 2, 13: 12, 21: 10}
+SAMPLED = 2  # this request samples (temperature, top-k, top-p, seed)
+EOS = 258
+
+
+class Collect:
+    """A scheduler sink that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.result: Finish | None = None
+
+    def token(self, token: int) -> None:
+        self.tokens.append(token)
+
+    def finish(self, finish: Finish) -> None:
+        self.result = finish
+
+
+def _request(prompt: list[int], index: int) -> GenerationRequest:
+    if index == SAMPLED:
+        return GenerationRequest(tuple(prompt), BUDGETS[len(prompt)], 0.8, 50, 0.9, seed=3, stop_ids=frozenset({EOS}))
+    return GenerationRequest(tuple(prompt), BUDGETS[len(prompt)], stop_ids=frozenset({EOS}))
+
+
+def _alone(model, req: GenerationRequest) -> list[int]:
+    out = k3jax.generate(model, np.asarray([req.prompt], np.int32), max_new_tokens=req.max_tokens,
+                         temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                         stop_tokens=sorted(req.stop_ids), capacity=REF_CAPACITY, on_token=lambda _: None,
+                         return_lengths=True)
+    return np.asarray(out.tokens)[0, : int(out.lengths[0])].tolist()
+
+
+@pytest.fixture(scope="module")
+def engine(golden_model_fp32):
+    return Scheduler(golden_model_fp32, max_batch=2, max_len=MAX_LEN, prefill_chunk=CHUNK, headroom=HEADROOM,
+                     prefix_cache=PrefixCache(1 << 26))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(11)
+    return [rng.integers(0, 256, n).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def served(engine, prompts):
+    """Every request submitted at once, run to the end; the clock rolls recorded."""
+    shifts: list[int] = []
+    real_shift = scheduler_module.shift_slots
+
+    def counting(slots, shift):
+        shifts.append(int(shift))
+        return real_shift(slots, shift)
+
+    scheduler_module.shift_slots = counting
+    try:
+        requests = [_request(p, i) for i, p in enumerate(prompts)]
+        sinks = [Collect() for _ in requests]
+        for req, sink in zip(requests, sinks):
+            engine.submit(req, sink)
+        engine.run_until_idle()
+    finally:
+        scheduler_module.shift_slots = real_shift
+    return requests, sinks, shifts
+
+
+def test_tokens_equal_generate_alone(golden_model_fp32, served):
+    requests, sinks, shifts = served
+    assert any(s < 0 for s in shifts) and any(s > 0 for s in shifts), f"the clock never rolled both ways: {shifts}"
+    for i, (req, sink) in enumerate(zip(requests, sinks)):
+        assert sink.result.reason in ("stop", "length") and sink.result.completion_tokens == len(sink.tokens)
+        assert sink.tokens == _alone(golden_model_fp32, req), f"request {i} (prompt {len(req.prompt)} tokens)"
+
+
+def test_prefix_hit_is_identical_and_skips_the_prefix(golden_model_fp32, engine, served, monkeypatch):
+    """A follow-up turn (a finished request's prompt + completion + new tokens) continues from its snapshot."""
+    requests, sinks, _ = served
+    first, out = requests[2], sinks[2].tokens
+    follow = GenerationRequest(first.prompt + tuple(out) + (7, 8, 9), 3, stop_ids=frozenset({EOS}))
+    ran: list[int] = []
+    real_extend = scheduler_module.extend
+
+    def counting(model, cache, ids):
+        ran.append(ids.shape[1])
+        return real_extend(model, cache, ids)
+
+    monkeypatch.setattr(scheduler_module, "extend", counting)
+    sink = Collect()
+    engine.submit(follow, sink)
+    engine.run_until_idle()
+    cached = len(first.prompt) + len(out) - 1  # the last generated token was never fed
+    assert sink.result.cached_tokens == cached
+    assert sum(ran) == len(follow.prompt) - cached
+    assert sink.tokens == _alone(golden_model_fp32, follow)
+    assert engine.metrics.prefix_hits >= 1
+
+
+def test_cancel_frees_the_slot(engine, prompts):
+    sink = Collect()
+    handle = engine.submit(GenerationRequest(tuple(prompts[0]), 20), sink)
+    engine.step()  # prefill: the request holds a slot
+    engine.step()
+    handle.cancel()
+    engine.run_until_idle()
+    assert sink.result.reason == "abort" and len(sink.tokens) < 20
+    assert sorted(engine._free) == [0, 1] and not engine._active
