@@ -46,7 +46,7 @@ def _fill(template: nnx.State, pure: Any, cast: bool = False) -> nnx.State:
     """A fresh State shaped like `template` holding `pure`'s arrays (cast to the template's dtypes)."""
     state = _abstract(template)
     if cast:
-        pure = jax.tree.map(lambda x, t: x.astype(t.dtype), pure, template.to_pure_dict())
+        pure = jax.tree.map(lambda x, t: x.astype(t.dtype), pure, nnx.to_pure_dict(template))
     nnx.replace_by_pure_dict(state, pure)
     return state
 
@@ -122,16 +122,16 @@ class Trainer:
                 module.deterministic = True
         self._eval_graphdef = nnx.split(model, trainable, RouterBias, LoRADropoutKey, ...)[0]
         self._templates = (_abstract(params), _abstract(bias), _abstract(keys))
-        self.trainable_names = tuple(path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(params.to_pure_dict()))
+        self.trainable_names = tuple(path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(params)))
         self.optimizer = make_optimizer(config, model.config)
         self.schedule = learning_rate_schedule(config)
-        masters = jax.tree.map(lambda x: x.astype(F32), params.to_pure_dict())
+        masters = jax.tree.map(lambda x: x.astype(F32), nnx.to_pure_dict(params))
         self._state = {
             "step": jnp.zeros((), jnp.int32),
             "rng": jax.random.key_data(jax.random.key(seed)),
             "params": masters,
             "opt_state": self.optimizer.init(masters),
-            "router_bias": bias.to_pure_dict(),
+            "router_bias": nnx.to_pure_dict(bias),
         }
         self._step = jax.jit(self._train_step, donate_argnums=0)
         self._grads = jax.jit(functools.partial(self._accumulate, deterministic=True))
@@ -158,7 +158,7 @@ class Trainer:
         accum, qb = self.config.grad_accum_steps, self.config.quantile_balancing
         total = jnp.maximum(jnp.sum(batch.loss_mask), 1.0)
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-        keys_pure = self._templates[2].to_pure_dict()
+        keys_pure = nnx.to_pure_dict(self._templates[2])
 
         def objective(params, micro, index):
             keys = refresh_dropout_keys(keys_pure, jax.random.fold_in(step_key, index)) if not deterministic else \
@@ -204,7 +204,7 @@ class Trainer:
         return new_state, metrics
 
     def _eval_sums(self, state: dict, frozen: nnx.State, batch: Batch) -> LossSums:
-        keys = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), self._templates[2].to_pure_dict())
+        keys = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), nnx.to_pure_dict(self._templates[2]))
         return self._sums(state["params"], state["router_bias"], keys, frozen, batch, deterministic=True, stats=False)[0]
 
     # ---- public -----------------------------------------------------------------------------
@@ -255,7 +255,7 @@ class Trainer:
     def merged_model(self) -> K3Model:
         """The trained model in its own dtype: LoRA adapters folded into their base weights, current
         router biases, no remat (what export writes and inference runs)."""
-        keys = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), self._templates[2].to_pure_dict())
+        keys = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), nnx.to_pure_dict(self._templates[2]))
         model = self._model(self._state["params"], self._state["router_bias"], keys, self._frozen, deterministic=True)
         model = merge_lora(nnx.merge(*nnx.split(model)))
         for _, module in nnx.iter_modules(model):
