@@ -67,7 +67,9 @@ class RouterStats(NamedTuple):
     load: jax.Array
 
 
-def router_stats(x: jax.Array, gate_weight: jax.Array, bias: jax.Array, top_k: int, valid: jax.Array | None) -> RouterStats:
+def router_stats(
+    x: jax.Array, gate_weight: jax.Array, bias: jax.Array, top_k: int, valid: jax.Array | None
+) -> RouterStats:
     """Quantile-Balancing histogram and expert loads of x [N, D] under the current `bias` (fp32);
     `valid` bool [N] excludes padding tokens."""
     x, gate_weight, bias = (jax.lax.stop_gradient(a) for a in (x, gate_weight, bias))

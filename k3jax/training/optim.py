@@ -34,7 +34,7 @@ _PER_HEAD_MLA = re.compile(r"self_attn\.(q_b_proj|kv_b_proj)\.weight$")
 
 
 def path_name(path: tuple) -> str:
-    """Dotted name of a state path: ('head_layers', 1, 'self_attn', 'q_proj', 'weight') -> 'head_layers.1.self_attn.q_proj.weight'."""
+    """Dotted name of a state path, e.g. 'head_layers.1.self_attn.q_proj.weight'."""
     return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
-from k3jax.training import Batch, TrainConfig, Trainer
+from k3jax.training import TrainConfig, Trainer
 from sharding.mesh import make_mesh
 from tests.k3jax.training.small_k3 import random_batch, small_model
 
@@ -99,3 +100,18 @@ def test_bad_batches_and_patterns():
         Trainer(model, TrainConfig(lora_rank=2, lora_targets=("nothing.*",)))
     with pytest.raises(ValueError, match="restore"):
         trainer.restore({"step": 0})
+
+
+def test_state_saves_and_restores_with_orbax(tmp_path):
+    """The whole state (Muon, LoRA with dropout keys, router biases) round-trips through Orbax as is."""
+    trainer = Trainer(small_model(), TrainConfig(optimizer="muon", lora_rank=2, lora_dropout=0.1,
+                                                 quantile_balancing=True))
+    state = trainer.state()
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(0, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        restored = manager.restore(0, args=ocp.args.StandardRestore(abstract))
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    _assert_trees_close(restored, state, 0, 0, "orbax")
+    trainer.restore(restored)
