@@ -154,13 +154,13 @@ def _empty_cache(model: K3Model, start: jax.Array | None, *, batch: int, capacit
     return model.empty_cache(batch, capacity)._replace(start=start)
 
 
-def _chunk_size(model: K3Model, chunk_size: int | None, batch: int, length: int) -> int:
+def _chunk_size(model: K3Model, chunk_size: int | None, batch: int, length: int, name: str = "chunk_size") -> int:
     """The tokens per prefill call: `chunk_size`, or the default for this model and device (see
     `k3jax.prefill_chunk`; None there: the whole prompt), at most the prompt length."""
     if chunk_size is None:
         chunk_size = default_chunk_size(model.config, batch, device_memory_bytes())
         return length if chunk_size is None else min(chunk_size, length)
-    return min(_check_int("chunk_size", chunk_size, 1), length)
+    return min(_check_int(name, chunk_size, 1), length)
 
 
 def _run_prompt(
@@ -331,7 +331,7 @@ def generate(
         raise ValueError(f"stop_tokens={stop_tokens!r}: expected a sequence of token ids")
     stop_list = [_check_token(f"stop_tokens[{i}]", t, vocab) for i, t in enumerate(stop_tokens)]
     start = _pad_start(ids, pad_token_id, prompt_lengths, attention_mask)
-    chunk = _chunk_size(model, prefill_chunk_size, *ids.shape)
+    chunk = _chunk_size(model, prefill_chunk_size, *ids.shape, name="prefill_chunk_size")
     # Padded with -1 to a multiple of 8 entries, so up to 8 stop tokens share one compiled program.
     stop = jnp.asarray(stop_list + [-1] * (-len(stop_list) % 8 or (8 if not stop_list else 0)), jnp.int32)
     last, cache = _run_prompt(model, ids, start, capacity, chunk, False)

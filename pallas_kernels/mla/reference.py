@@ -113,7 +113,11 @@ def blockwise_mla_attention(q: jax.Array, latents: jax.Array, w_kv_b: jax.Array,
 
         return jax.lax.cond(keys_at[0] <= q_offset + seq - 1, attend, lambda c: c, carry), None
 
-    (_, l, acc), _ = jax.lax.scan(key_step, carry, (k_blocks, k_pos))
+    if nq == 1 and k_blocks.shape[0] == 1:  # one tile: no loops to compile
+        k, v = expand_keys_values(k_blocks[0], w_kv_b, heads, nope_dim, q.dtype)
+        _, l, acc = (x[None] for x in fold(k, v, k_pos[0], (q_blocks[0], q_pos[0], *(c[0] for c in carry))))
+    else:
+        (_, l, acc), _ = jax.lax.scan(key_step, carry, (k_blocks, k_pos))
     # A real query sees at least itself (l > 0); the padding rows of the last query block may see
     # nothing, and their l = 0 must not put 0/0 into the gradient.
     out = acc / jnp.moveaxis(jnp.where(l > 0, l, 1.0), 2, 3)[..., None]
