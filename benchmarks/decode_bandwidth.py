@@ -92,7 +92,8 @@ def summarise_trace(trace_dir: Path, top: int) -> list[dict]:
     with gzip.open(files[-1], "rt") as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    names = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    names = {e["pid"]: e["args"].get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
     device_pids = {pid for pid, name in names.items() if "/device:" in name and "CPU" not in name.upper()}
     totals, counts = collections.Counter(), collections.Counter()
     for e in events:
@@ -156,8 +157,8 @@ def main() -> None:
     print("\n| batch | step ms | bytes read (MB) | experts touched | floor ms | % of limit |")
     print("|---|---|---|---|---|---|")
     for r in results["runs"]:
-        print(f"| {r['batch']} | {r['step_ms']:.3f} | {r['bytes_read'] / 1e6:.1f} | {100 * r['experts_touched']:.0f}% | "
-              f"{r['floor_ms']:.3f} | {r['percent_of_limit']:.0f}% |")
+        print(f"| {r['batch']} | {r['step_ms']:.3f} | {r['bytes_read'] / 1e6:.1f} | "
+              f"{100 * r['experts_touched']:.0f}% | {r['floor_ms']:.3f} | {r['percent_of_limit']:.0f}% |")
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; top ops at batch {results.get('top_ops_batch')}:")
     print("| op | total us | calls | share |")
     print("|---|---|---|---|")

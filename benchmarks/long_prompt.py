@@ -58,8 +58,8 @@ def main() -> None:
     model = K3Model.init(cfg, seed=0)
     memory = device_memory_bytes()
     chunk = args.chunk or default_chunk_size(cfg, 1, memory) or (32 if args.smoke else None)
-    results = {"device": str(jax.devices()[0]), "memory_bytes": memory, "chunk": chunk, "layers": cfg.num_hidden_layers,
-               "experts": cfg.num_experts, "hidden": cfg.hidden_size, "runs": []}
+    results = {"device": str(jax.devices()[0]), "memory_bytes": memory, "chunk": chunk,
+               "layers": cfg.num_hidden_layers, "experts": cfg.num_experts, "hidden": cfg.hidden_size, "runs": []}
     print(json.dumps(results), flush=True)
 
     key = jax.random.key(0)

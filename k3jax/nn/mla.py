@@ -76,8 +76,8 @@ class GatedMLA(nnx.Module):
             mask = attention_mask(position + jnp.arange(seq), jnp.arange(latents.shape[1]), start)[:, None]
             o = self._attend_absorbed(q, latents, mask)
         else:
-            o = mla_prefill_attention(q, latents.astype(q.dtype), self.kv_b_proj.weight[...], nope_dim=self.nope_dim,
-                                      scale=self.scale, q_offset=position, start=start,
+            o = mla_prefill_attention(q, latents.astype(q.dtype), self.kv_b_proj.weight[...],
+                                      nope_dim=self.nope_dim, scale=self.scale, q_offset=position, start=start,
                                       implementation=self.kernels.mla)
         o = o.reshape(batch, seq, self.num_heads * self.v_dim)
         o = o * jax.nn.sigmoid(self.g_proj(x))

@@ -29,7 +29,8 @@ def cudnn_supports(*, left_padding: bool, dtype: jnp.dtype, qk_dim: int, **_: ob
     if jnp.dtype(dtype) not in CUDNN_DTYPES:
         return f"cuDNN flash attention takes bf16 or fp16, got {jnp.dtype(dtype)}"
     if qk_dim % 8 or qk_dim > CUDNN_MAX_HEAD_DIM:
-        return f"cuDNN flash attention takes head sizes that are multiples of 8 up to {CUDNN_MAX_HEAD_DIM}, got {qk_dim}"
+        return (f"cuDNN flash attention takes head sizes that are multiples of 8 up to {CUDNN_MAX_HEAD_DIM}, "
+                f"got {qk_dim}")
     return None
 
 

@@ -103,7 +103,8 @@ def test_kda_mla_and_moe_choice_reach_every_call_site(cfg, monkeypatch):
         asked = {impl for op, impl in seen if op != "kda_decode"}
         assert asked == {"xla"}, f"{name}: chunk_kda_fused / routed_experts / mla were asked for {asked}, not only 'xla'"
     assert ("routed_experts", "xla") in by_site["decode_step"]
-    assert not any(op in ("chunk_kda_fused", "mla_prefill_attention") for op, _ in by_site["decode_step"])  # one token
+    # One token: the recurrent KDA step and the absorbed MLA form.
+    assert not any(op in ("chunk_kda_fused", "mla_prefill_attention") for op, _ in by_site["decode_step"])
 
 
 def test_kda_decode_choice_reaches_every_decode_step(cfg, monkeypatch):
