@@ -1,10 +1,13 @@
 """MLA prefill attention at K3's shapes: the blockwise pure-JAX op ("xla"), cuDNN flash attention
-("cudnn", keys/values expanded first, values padded to the key size) and the previous XLA path
-(all keys expanded, [heads, 1024, S] fp32 scores per query chunk), in one job on one device.
+("cudnn", keys/values expanded first, values padded to the key size; whole prompts only) and the
+previous XLA path (all keys expanded, [heads, 1024, S] fp32 scores per query chunk), in one job on
+one device.
 
 K3: 96 heads, key 128 nope + 64 rope = 192, value 128, latent rank 512. Cases: a whole prompt of T
 tokens (T = S) and the last chunk of a chunked prefill (T = 8192 new tokens after S - T cached).
-Every output is compared with the blockwise op's (bf16 rel-RMS); FLOP/s counts the causal half.
+Every output is compared with the blockwise op's (bf16 rel-RMS): the "cudnn" row is its check on
+the GPU before it may become the GPU default (pallas_kernels/mla/dispatch.py). FLOP/s counts the
+causal pairs.
 
     PYTHONPATH=. python benchmarks/mla_prefill.py --out mla_prefill.json          # GPU
     PYTHONPATH=. python benchmarks/mla_prefill.py --smoke --out /tmp/mla.json     # CPU, tiny shapes
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 
 from benchmarks.timing import median_ms
 from pallas_kernels.mla import (
-    attention_mask, blockwise_mla_attention, expand_keys_values, mla_prefill_attention, segmented_mla_attention,
+    attention_mask, blockwise_mla_attention, cudnn_mla_attention, expand_keys_values, mla_prefill_attention,
 )
 
 F32 = jnp.float32
@@ -29,10 +32,10 @@ K3 = dict(heads=96, nope=128, rope=64, value=128, rank=512)
 TINY = dict(heads=3, nope=8, rope=8, value=8, rank=16)
 
 
-def old_xla_path(q, latents, w, *, nope_dim, scale, q_offset=0, start=None, query_chunk=1024):
+def old_xla_path(q, latents, w_kv_b, *, nope_dim, scale, q_offset=0, start=None, query_chunk=1024):
     """The model's previous prefill attention: keys/values of every position expanded at once, then
     [B, H, chunk, S] fp32 scores per query chunk of `query_chunk` rows (lax.map)."""
-    k, v = expand_keys_values(latents, w, q.shape[2], nope_dim, q.dtype)
+    k, v = expand_keys_values(latents, w_kv_b, q.shape[2], nope_dim, q.dtype)
     seq, key_pos = q.shape[1], jnp.arange(k.shape[1])
 
     def attend(q_rows, rows_pos):
@@ -49,10 +52,10 @@ def old_xla_path(q, latents, w, *, nope_dim, scale, q_offset=0, start=None, quer
 
 
 def implementations(smoke: bool) -> dict:
-    cudnn = "xla" if smoke else "cudnn"  # the same segments through XLA's attention where cuDNN is absent
+    cudnn = "xla" if smoke else "cudnn"  # the same call through XLA's attention where cuDNN is absent
     return {
         "blockwise (ours, xla)": lambda **kw: blockwise_mla_attention(**kw),
-        f"cudnn segments ({cudnn})": lambda **kw: segmented_mla_attention(**kw, implementation=cudnn),
+        f"cudnn ({cudnn})": lambda **kw: cudnn_mla_attention(**kw, implementation=cudnn),
         "previous xla path": old_xla_path,
         "policy": lambda q, latents, w_kv_b, **kw: mla_prefill_attention(q, latents, w_kv_b, **kw),
     }
@@ -71,8 +74,12 @@ def run_case(dims: dict, seq: int, keys: int, reps: int, smoke: bool) -> dict:
     case = {"T": seq, "S": keys, "offset": offset, "runs": {}}
     reference = None
     for name, fn in implementations(smoke).items():
+        if name.startswith("cudnn") and offset:
+            case["runs"][name] = {"skipped": "cuDNN takes whole prompts only (pallas_kernels/mla/cudnn.py)"}
+            continue
+        # A chunk's offset is traced, as in the model (the cache length); a whole prompt's is 0.
         call = jax.jit(lambda q, lat, w, o, fn=fn: fn(q=q, latents=lat, w_kv_b=w, nope_dim=n, scale=(n + p) ** -0.5,
-                                                      q_offset=o))
+                                                      q_offset=o if offset else 0))
         try:
             out = call(q, latents, w, offset)
             ms = median_ms(call, q, latents, w, offset, reps=reps)
@@ -109,7 +116,7 @@ def main() -> None:
     print("\n| T | S | " + " | ".join(f"{n} ms (TFLOP/s)" for n in names) + " |")
     print("|---|---|" + "---|" * len(names))
     for case in results["cases"]:
-        cells = [f"{r['ms']:.2f} ({r['tflops']:.0f})" if "ms" in r else "error"
+        cells = [f"{r['ms']:.2f} ({r['tflops']:.0f})" if "ms" in r else "-" if "skipped" in r else "error"
                  for r in (case["runs"][n] for n in names)]
         print(f"| {case['T']} | {case['S']} | " + " | ".join(cells) + " |")
     if args.out:

@@ -7,13 +7,13 @@ model's absorbed decode step.
 """
 
 from pallas_kernels.mla.api import mla_prefill_attention
-from pallas_kernels.mla.cudnn import segmented_mla_attention
+from pallas_kernels.mla.cudnn import cudnn_mla_attention
 from pallas_kernels.mla.dispatch import IMPLEMENTATIONS
 from pallas_kernels.mla.reference import (
     attention_mask, blockwise_mla_attention, expand_keys_values, naive_mla_attention,
 )
 
 __all__ = [
-    "IMPLEMENTATIONS", "attention_mask", "blockwise_mla_attention", "expand_keys_values", "mla_prefill_attention",
-    "naive_mla_attention", "segmented_mla_attention",
+    "IMPLEMENTATIONS", "attention_mask", "blockwise_mla_attention", "cudnn_mla_attention", "expand_keys_values",
+    "mla_prefill_attention", "naive_mla_attention",
 ]

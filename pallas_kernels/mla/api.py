@@ -1,7 +1,7 @@
 """Public entry of MLA prefill attention: input checks, then the implementation ``dispatch.py`` chooses.
 
-``implementation`` names a table entry ("cudnn", "xla") or is None for the policy: "cudnn" on GPU
-where it supports the call, "xla" (blockwise pure JAX) elsewhere.
+``implementation`` names a table entry ("cudnn", "xla") or is None for the policy (see
+``dispatch.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def mla_prefill_attention(q: jax.Array, latents: jax.Array, w_kv_b: jax.Array, *
         raise ValueError(f"mla_prefill_attention: {seq} queries but only {latents.shape[1]} latent positions")
     if start is not None and start.shape != (batch,):
         raise ValueError(f"mla_prefill_attention: start must be int32 [{batch}], got {start.shape}")
+    cached = not (isinstance(q_offset, int) and q_offset == 0 and latents.shape[1] == seq)
     impl = choose("mla_prefill_attention", IMPLEMENTATIONS, implementation,
-                  left_padding=start is not None, dtype=q.dtype, qk_dim=qk_dim)
+                  cached=cached, left_padding=start is not None, dtype=q.dtype, qk_dim=qk_dim)
     return impl.run(q, latents, w_kv_b, nope_dim=nope_dim, scale=scale, q_offset=q_offset, start=start)

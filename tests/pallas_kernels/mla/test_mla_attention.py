@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from pallas_kernels.mla import (  # noqa: E402
-    IMPLEMENTATIONS, blockwise_mla_attention, mla_prefill_attention, naive_mla_attention, segmented_mla_attention,
+    IMPLEMENTATIONS, blockwise_mla_attention, cudnn_mla_attention, mla_prefill_attention, naive_mla_attention,
 )
 from pallas_kernels.mla.dispatch import cudnn_supports  # noqa: E402
 
@@ -57,24 +57,25 @@ def rel(a, b):
 
 
 BLOCKWISE = lambda **kw: blockwise_mla_attention(**kw, block_q=4, block_k=5)  # noqa: E731
-SEGMENTED_XLA = lambda **kw: segmented_mla_attention(**kw, implementation="xla")  # noqa: E731
+CUDNN_AS_XLA = lambda **kw: cudnn_mla_attention(**kw, implementation="xla")  # noqa: E731
 # (seq, keys, offset, start): a whole prompt; a chunk at an offset in a larger cache; left padding
 # deeper than the first chunk, and within it.
 CASES = [(13, 13, 0, None), (9, 40, 17, None), (9, 40, 17, (20, 3)), (13, 13, 0, (5, 0))]
 
 
-# The cuDNN segments take no left padding (dispatch sends it elsewhere).
-RUNS = [(name, *case) for name in ("blockwise", "naive", "segmented_xla") for case in CASES
-        if name != "segmented_xla" or case[3] is None]
+# The cuDNN call (value padding, causal mask; run through XLA's attention on CPU) takes whole
+# prompts only (dispatch sends the rest elsewhere).
+RUNS = [(name, *case) for name in ("blockwise", "naive", "cudnn_as_xla") for case in CASES
+        if name != "cudnn_as_xla" or case[2:] == (0, None)]
 
 
 @pytest.mark.parametrize("name,seq,keys,offset,start", RUNS)
 def test_matches_numpy(name, seq, keys, offset, start):
-    fn = {"blockwise": BLOCKWISE, "naive": naive_mla_attention, "segmented_xla": SEGMENTED_XLA}[name]
+    fn = {"blockwise": BLOCKWISE, "naive": naive_mla_attention, "cudnn_as_xla": CUDNN_AS_XLA}[name]
     q, latents, w = problem(seq, keys)
     start_arr = None if start is None else jnp.asarray(start, jnp.int32)
-    out = jax.jit(lambda q, lat, w, o: fn(q=q, latents=lat, w_kv_b=w, nope_dim=N, scale=SCALE, q_offset=o,
-                                          start=start_arr))(q, latents, w, offset)
+    out = jax.jit(lambda q, lat, w: fn(q=q, latents=lat, w_kv_b=w, nope_dim=N, scale=SCALE, q_offset=offset,
+                                       start=start_arr))(q, latents, w)
     assert out.shape == (2, seq, H, V)
     assert rel(out, numpy_attention(q, latents, w, offset, start)) <= TOL
 
@@ -111,10 +112,14 @@ def test_policy_and_cudnn_limits():
     assert list(IMPLEMENTATIONS) == ["cudnn", "xla"]
     with pytest.raises(NotImplementedError, match="runs on"):
         mla_prefill_attention(q, latents, w, nope_dim=N, scale=SCALE, implementation="cudnn")
-    assert cudnn_supports(left_padding=False, dtype=jnp.bfloat16, qk_dim=192) is None
-    assert "left padding" in cudnn_supports(left_padding=True, dtype=jnp.bfloat16, qk_dim=192)
-    assert "bf16" in cudnn_supports(left_padding=False, dtype=jnp.float32, qk_dim=192)
-    assert "head sizes" in cudnn_supports(left_padding=False, dtype=jnp.bfloat16, qk_dim=576)
+    k3 = dict(cached=False, left_padding=False, dtype=jnp.bfloat16, qk_dim=192)
+    assert cudnn_supports(**k3) is None
+    assert "cache" in cudnn_supports(**{**k3, "cached": True})
+    assert "left padding" in cudnn_supports(**{**k3, "left_padding": True})
+    assert "bf16" in cudnn_supports(**{**k3, "dtype": jnp.float32})
+    assert "head sizes" in cudnn_supports(**{**k3, "qk_dim": 576})
+    with pytest.raises(ValueError, match="only a whole prompt"):
+        cudnn_mla_attention(q, latents, w, nope_dim=N, scale=SCALE, q_offset=jnp.int32(0), implementation="xla")
 
 
 @pytest.mark.parametrize("change,match", [
