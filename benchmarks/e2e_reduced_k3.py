@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from benchmarks.timing import median_ms
 from k3jax.config import K3Config
 from k3jax.kernels import Kernels
-from k3jax.generate import _decode_step, _prefill
+from k3jax.generate import _decode_step, prefill
 from k3jax.model import K3Model
 from sharding import make_mesh, shard_batch, shard_cache, shard_model
 
@@ -76,7 +76,7 @@ def main() -> None:
     # routed rows densely per expert ([experts, rows, 3072] bf16 = 192 GiB for 32 x 1024 tokens
     # at 64 experts), which no H200 holds. The cache is the same whichever path filled it.
     model.use_kernels(KERNELS["policy"])
-    _, context_cache = _prefill(model, context, capacity)
+    _, context_cache = prefill(model, context, capacity=capacity)
     if mesh is not None:
         context_cache = shard_cache(context_cache, mesh)
     jax.block_until_ready(context_cache)
@@ -84,8 +84,9 @@ def main() -> None:
     check_logits = {}
     for choice in args.kernels.split(","):
         model.use_kernels(KERNELS[choice])
-        check_logits[choice] = _prefill(model, check_ids, check_ids.shape[1])[0].astype(jnp.float32)
-        prefill_s = median_ms(lambda: _prefill(model, prompt, args.prefill_len)[0], reps=args.repeats) / 1e3
+        check_logits[choice] = prefill(model, check_ids, return_all_logits=True)[0].astype(jnp.float32)
+        # The whole prompt in one call (the last position's logits), as the kernels' prefill tokens/s.
+        prefill_s = median_ms(lambda: prefill(model, prompt, chunk_size=args.prefill_len)[0], reps=args.repeats) / 1e3
         cache = jax.tree.map(jnp.copy, context_cache)
         tokens = context[:, -1]
 

@@ -10,9 +10,14 @@ right-aligned and `prompt_lengths` [B] says how many tokens are real (`left_pad`
 has no positional encoding, so each row computes exactly what it would alone (see `run_model`);
 the pad positions only cost compute. All rows then decode in lockstep at the same cache position.
 
-`generate` has two loops over the same pieces, both with one preallocated cache:
-  * no `on_token`: prefill and a `lax.scan` of decode steps in ONE jitted program (one dispatch,
-    the cache is updated in place in the loop carry);
+A prompt runs in chunks (`prefill`, chunk size from `k3jax.prefill_chunk`): each chunk is an
+`extend` of the cache, keeping only the last position's logits, so a long prompt's memory follows the
+chunk (no [T, vocab] logits, no per-layer activations of the whole prompt).
+
+`generate` prefills that way, then has two decode loops over the same pieces, both on one
+preallocated cache:
+  * no `on_token`: a `lax.scan` of decode steps in ONE jitted program (one dispatch, the cache is
+    donated and updated in place in the loop carry);
   * `on_token`: a Python loop over the jitted `_decode_step`, whose cache argument is donated (its
     buffers are reused step to step). The callback then runs in the caller's thread, in order, with
     ordinary Python semantics (exceptions propagate, it may touch any state), no host callbacks in
@@ -33,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.model import K3Model, ModelCache, check_input_ids, embed_images, run_model
+from k3jax.prefill_chunk import default_chunk_size, device_memory_bytes
 from k3jax.sampling import SamplingParams, sample_with
 from k3jax.vision.embed import ImageInputs, prepare_images
 
@@ -130,59 +136,6 @@ def _cache_batch(cache: ModelCache) -> int:
     return jax.tree.leaves(cache.groups)[0].shape[1]
 
 
-@functools.partial(jax.jit, static_argnames=("capacity",))
-def _prefill(
-    model: K3Model, ids: jax.Array, capacity: int, start: jax.Array | None = None
-) -> tuple[jax.Array, ModelCache]:
-    cache = model.empty_cache(ids.shape[0], capacity)
-    out, cache = run_model(model, ids, cache, start=start)
-    return out.logits, cache
-
-
-def prefill(
-    model: K3Model, input_ids: jax.Array, *, capacity: int | None = None, prompt_lengths=None, attention_mask=None,
-    pixel_values=None, grid_thws=None,
-) -> tuple[jax.Array, ModelCache]:
-    """Run the prompt [B, T] and return (logits [B, T, vocab] fp32, cache with room for `capacity` tokens).
-
-    With `prompt_lengths` [B] (or a left-padding `attention_mask` [B, T]), the prompts are left-padded
-    to T (see `left_pad`); the cache remembers
-    the padding, so later `decode_step`s keep the pads masked. Logits at pad positions are meaningless.
-
-    With images (`pixel_values`, `grid_thws`; one placeholder token per image, see `k3jax.vision`)
-    the prompt is the expanded one: logits [B, T', vocab] over it, and `capacity` counts its T'.
-    """
-    ids = check_input_ids(input_ids, model.config)
-    if pixel_values is not None or grid_thws is not None:
-        return _prefill_with_images(model, ids, capacity, _pad_start(ids, _default_pad(model), prompt_lengths,
-                                                                     attention_mask), pixel_values, grid_thws)
-    capacity = ids.shape[1] if capacity is None else _check_int("capacity", capacity, 1)
-    if capacity < ids.shape[1]:
-        raise ValueError(f"capacity={capacity} is smaller than the prompt length {ids.shape[1]}")
-    return _prefill(model, ids, capacity, _pad_start(ids, _default_pad(model), prompt_lengths, attention_mask))
-
-
-# ---- prompts with images: the placeholders expanded to image features, fed as inputs_embeds ----
-
-@functools.partial(jax.jit, static_argnames=("capacity",))
-def _prefill_images(
-    model: K3Model, ids: jax.Array, images: ImageInputs, capacity: int, start: jax.Array | None
-) -> tuple[jax.Array, ModelCache]:
-    cache = model.empty_cache(ids.shape[0], capacity)
-    out, cache = run_model(model, None, cache, start=start, inputs_embeds=embed_images(model, ids, images))
-    return out.logits, cache
-
-
-def _prefill_with_images(model: K3Model, ids: jax.Array, capacity: int | None, start: jax.Array | None,
-                         pixel_values, grid_thws) -> tuple[jax.Array, ModelCache]:
-    images, start = prepare_images(model, ids, start, pixel_values, grid_thws)
-    length = images.gather.shape[1]
-    capacity = length if capacity is None else _check_int("capacity", capacity, 1)
-    if capacity < length:
-        raise ValueError(f"capacity={capacity} is smaller than the prompt with its images expanded ({length} tokens)")
-    return _prefill_images(model, ids, images, capacity, start)
-
-
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _decode_step(model: K3Model, cache: ModelCache, tokens: jax.Array) -> tuple[jax.Array, ModelCache]:
     out, cache = run_model(model, tokens[:, None], cache)
@@ -195,6 +148,91 @@ def _extend(
 ) -> tuple[jax.Array, ModelCache]:
     out, cache = run_model(model, ids, cache, last_logits_only=not return_all_logits)
     return (out.logits if return_all_logits else out.logits[:, 0]), cache
+
+
+@functools.partial(jax.jit, static_argnames=("batch", "capacity"))
+def _empty_cache(model: K3Model, start: jax.Array | None, *, batch: int, capacity: int) -> ModelCache:
+    return model.empty_cache(batch, capacity)._replace(start=start)
+
+
+def _chunk_size(model: K3Model, chunk_size: int | None, batch: int, length: int, name: str = "chunk_size") -> int:
+    """The tokens per prefill call: `chunk_size`, or the default for this model and device (see
+    `k3jax.prefill_chunk`; None there: the whole prompt), at most the prompt length."""
+    if chunk_size is None:
+        chunk_size = default_chunk_size(model.config, batch, device_memory_bytes())
+        return length if chunk_size is None else min(chunk_size, length)
+    return min(_check_int(name, chunk_size, 1), length)
+
+
+def _run_prompt(
+    model: K3Model, ids: jax.Array, start: jax.Array | None, capacity: int, chunk: int, return_all_logits: bool
+) -> tuple[jax.Array, ModelCache]:
+    """Feed checked ids [B, T] into a fresh cache, `chunk` tokens per `_extend` call.
+
+    Every full chunk runs one compiled program; the remainder (T % chunk tokens) compiles once more
+    for its own shape. It is not padded to a full chunk: pad tokens after the prompt would pass
+    through the KDA recurrences and land in the cache."""
+    batch, length = ids.shape
+    cache = _empty_cache(model, start, batch=batch, capacity=capacity)
+    pieces = []
+    for lo in range(0, length, chunk):
+        logits, cache = _extend(model, cache, ids[:, lo : lo + chunk], return_all_logits)
+        pieces.append(logits)
+    return (jnp.concatenate(pieces, axis=1) if return_all_logits else pieces[-1]), cache
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "return_all_logits"))
+def _prefill_images(
+    model: K3Model, ids: jax.Array, images: ImageInputs, start: jax.Array | None, *, capacity: int,
+    return_all_logits: bool,
+) -> tuple[jax.Array, ModelCache]:
+    """A prompt with images in one call: the placeholders expanded to image features, fed as inputs_embeds."""
+    cache = model.empty_cache(ids.shape[0], capacity)
+    out, cache = run_model(model, None, cache, start=start, inputs_embeds=embed_images(model, ids, images),
+                           last_logits_only=not return_all_logits)
+    return (out.logits if return_all_logits else out.logits[:, 0]), cache
+
+
+def _image_inputs(
+    model: K3Model, ids: jax.Array, start: jax.Array | None, pixel_values, grid_thws
+) -> tuple[ImageInputs | None, jax.Array | None, int]:
+    """(images or None, start, the prompt length with each image's placeholder expanded)."""
+    if pixel_values is None and grid_thws is None:
+        return None, start, ids.shape[1]
+    images, start = prepare_images(model, ids, start, pixel_values, grid_thws)
+    return images, start, images.gather.shape[1]
+
+
+def prefill(
+    model: K3Model, input_ids: jax.Array, *, capacity: int | None = None, chunk_size: int | None = None,
+    return_all_logits: bool = False, prompt_lengths=None, attention_mask=None, pixel_values=None,
+    grid_thws=None,
+) -> tuple[jax.Array, ModelCache]:
+    """Run the prompt [B, T] into a cache with room for `capacity` tokens (default T).
+
+    Returns (logits of the last position [B, vocab] fp32 — or of every position [B, T, vocab] with
+    `return_all_logits` — and the cache). The prompt runs in chunks of `chunk_size` tokens (default:
+    `k3jax.prefill_chunk.default_chunk_size` for this model and device), each appended to the cache
+    like `extend`, so memory follows the chunk rather than the prompt; chunking does not change the
+    result. With `prompt_lengths` [B] (or a left-padding `attention_mask` [B, T]), the prompts are
+    left-padded to T (see `left_pad`); the cache remembers the padding, so later `decode_step`s keep
+    the pads masked. Logits at pad positions are meaningless.
+
+    With images (`pixel_values`, `grid_thws`; one placeholder token per image, see `k3jax.vision`)
+    the prompt is the expanded one (its T' tokens count towards `capacity`, all-position logits are
+    over it) and runs in one call: the image features enter as embeddings, not as chunkable ids.
+    """
+    ids = check_input_ids(input_ids, model.config)
+    start = _pad_start(ids, _default_pad(model), prompt_lengths, attention_mask)
+    images, start, length = _image_inputs(model, ids, start, pixel_values, grid_thws)
+    capacity = length if capacity is None else _check_int("capacity", capacity, 1)
+    if capacity < length:
+        raise ValueError(f"capacity={capacity} is smaller than the prompt length {length}"
+                         + (" (its images expanded)" if images is not None else ""))
+    if images is not None:
+        return _prefill_images(model, ids, images, start, capacity=capacity, return_all_logits=bool(return_all_logits))
+    chunk = _chunk_size(model, chunk_size, *ids.shape)
+    return _run_prompt(model, ids, start, capacity, chunk, bool(return_all_logits))
 
 
 def extend(
@@ -244,18 +282,15 @@ def _select(
 _select_jit = jax.jit(_select, static_argnums=0)
 
 
-@functools.partial(jax.jit, static_argnames=("params", "max_new_tokens", "capacity"))
-def _generate(
-    model: K3Model, ids: jax.Array, start: jax.Array | None, key: jax.Array, stop: jax.Array, pad: jax.Array,
-    images: ImageInputs | None, *, params: SamplingParams, max_new_tokens: int, capacity: int,
+@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("params", "max_new_tokens"))
+def _decode_loop(
+    model: K3Model, cache: ModelCache, last: jax.Array, key: jax.Array, stop: jax.Array, pad: jax.Array,
+    *, params: SamplingParams, max_new_tokens: int,
 ) -> tuple[jax.Array, jax.Array]:
-    cache = model.empty_cache(ids.shape[0], capacity)
-    embeds = None if images is None else embed_images(model, ids, images)
-    out, cache = run_model(model, ids, cache, start=start, inputs_embeds=embeds)
+    """From the prompt's last logits [B, vocab]: every new token, in one `lax.scan` of decode steps."""
     keys = jax.random.split(key, max_new_tokens)
-    done = jnp.zeros(ids.shape[0], bool)
-    first, done, lengths = _select(params, out.logits[:, -1], keys[0], done, jnp.zeros(ids.shape[0], jnp.int32),
-                                   stop, pad)
+    done = jnp.zeros(last.shape[0], bool)
+    first, done, lengths = _select(params, last, keys[0], done, jnp.zeros(last.shape[0], jnp.int32), stop, pad)
 
     def step(carry, step_key):
         token, done, lengths, cache = carry
@@ -268,18 +303,12 @@ def _generate(
 
 
 def _streamed(
-    model: K3Model, ids: jax.Array, start: jax.Array | None, key: jax.Array, stop: jax.Array, pad: jax.Array,
-    images: ImageInputs | None, params: SamplingParams, max_new_tokens: int, capacity: int,
-    on_token: Callable[[np.ndarray], object],
+    model: K3Model, cache: ModelCache, last: jax.Array, key: jax.Array, stop: jax.Array, pad: jax.Array,
+    params: SamplingParams, max_new_tokens: int, on_token: Callable[[np.ndarray], object],
 ) -> tuple[jax.Array, jax.Array]:
-    if images is None:
-        logits, cache = _prefill(model, ids, capacity, start)
-    else:
-        logits, cache = _prefill_images(model, ids, images, capacity, start)
     keys = jax.random.split(key, max_new_tokens)
-    batch = ids.shape[0]
+    batch = last.shape[0]
     done, lengths = jnp.zeros(batch, bool), jnp.zeros(batch, jnp.int32)
-    last = logits[:, -1]
     tokens = []
     for i in range(max_new_tokens):
         if i:
@@ -298,7 +327,7 @@ def generate(
     top_k: int | None = None, top_p: float | None = None, seed: int = 0, stop_tokens: Sequence[int] = (),
     pad_token_id: int | None = None, prompt_lengths=None, attention_mask=None, capacity: int | None = None,
     on_token: Callable[[np.ndarray], object] | None = None, return_lengths: bool = False,
-    pixel_values=None, grid_thws=None,
+    prefill_chunk_size: int | None = None, pixel_values=None, grid_thws=None,
 ) -> jax.Array | GenerateOutput:
     """Continue each prompt by up to `max_new_tokens` tokens: int32 [B, N]. Greedy at temperature 0.
 
@@ -313,6 +342,8 @@ def generate(
         (T + max_new_tokens - 1), which is also the default.
     on_token: called with each step's tokens (numpy int32 [B]) as they are produced, in order.
     return_lengths: return GenerateOutput(tokens, lengths) with the per-row generated lengths.
+    prefill_chunk_size: prompt tokens per prefill call (default: see `prefill`); it does not change
+        the tokens.
     pixel_values / grid_thws: images, one placeholder token per image in the prompts (see `prefill`);
         the prompt length above is then the expanded one.
     Every argument is checked before anything compiles; a bad one is a ValueError that names it.
@@ -324,10 +355,7 @@ def generate(
     seed = _check_int("seed", seed, 0, 2**32 - 1)  # jax.random.key wraps larger seeds
     pad_token_id = _default_pad(model) if pad_token_id is None else _check_token("pad_token_id", pad_token_id, vocab)
     start = _pad_start(ids, pad_token_id, prompt_lengths, attention_mask)
-    images, length = None, ids.shape[1]
-    if pixel_values is not None or grid_thws is not None:
-        images, start = prepare_images(model, ids, start, pixel_values, grid_thws)
-        length = images.gather.shape[1]
+    images, start, length = _image_inputs(model, ids, start, pixel_values, grid_thws)
     needed = length + max_new_tokens - 1
     capacity = needed if capacity is None else _check_int("capacity", capacity, 1)
     if needed > capacity:
@@ -338,11 +366,16 @@ def generate(
     if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Iterable):
         raise ValueError(f"stop_tokens={stop_tokens!r}: expected a sequence of token ids")
     stop_list = [_check_token(f"stop_tokens[{i}]", t, vocab) for i, t in enumerate(stop_tokens)]
+    chunk = _chunk_size(model, prefill_chunk_size, *ids.shape, name="prefill_chunk_size")
     # Padded with -1 to a multiple of 8 entries, so up to 8 stop tokens share one compiled program.
     stop = jnp.asarray(stop_list + [-1] * (-len(stop_list) % 8 or (8 if not stop_list else 0)), jnp.int32)
-    args = (model, ids, start, jax.random.key(seed), stop, jnp.asarray(pad_token_id, jnp.int32), images)
-    if on_token is None:
-        tokens, lengths = _generate(*args, params=params, max_new_tokens=max_new_tokens, capacity=capacity)
+    if images is None:
+        last, cache = _run_prompt(model, ids, start, capacity, chunk, False)
     else:
-        tokens, lengths = _streamed(*args, params, max_new_tokens, capacity, on_token)
+        last, cache = _prefill_images(model, ids, images, start, capacity=capacity, return_all_logits=False)
+    args = (model, cache, last, jax.random.key(seed), stop, jnp.asarray(pad_token_id, jnp.int32))
+    if on_token is None:
+        tokens, lengths = _decode_loop(*args, params=params, max_new_tokens=max_new_tokens)
+    else:
+        tokens, lengths = _streamed(*args, params, max_new_tokens, on_token)
     return GenerateOutput(tokens, lengths) if return_lengths else tokens

@@ -17,6 +17,7 @@ class Kernels:
     kda: str | None = None  # chunked KDA (prefill, training)
     kda_decode: str | None = None  # one recurrent KDA step
     moe: str | None = None  # routed experts' grouped products
+    mla: str | None = None  # MLA prefill attention (pallas_kernels/mla)
 
     @classmethod
     def of(cls, value: "Kernels | Mapping[str, str | None] | None") -> "Kernels":

@@ -64,8 +64,9 @@ def add_plan_command(commands: argparse._SubParsersAction) -> None:
     pl.add_argument("--hbm", type=_byte_size, default="141GB", help="memory per device: 141GB (H200), 95GB (TPU v5p)")
     pl.add_argument("--batch", type=int_at_least(1), default=1)
     pl.add_argument("--max-len", type=int_at_least(1), default=131072, help="cache capacity in tokens")
-    pl.add_argument("--seq-len", type=int_at_least(1), default=4096,
-                    help="prefill chunk (tokens per prefill call) and train sequence length")
+    pl.add_argument("--seq-len", type=int_at_least(1), default=None,
+                    help="prefill chunk (tokens per prefill call) and train sequence length (default: the chunk "
+                         "k3jax.prefill uses on a device of --hbm, see k3jax.prefill_chunk)")
     pl.add_argument("--train", action="store_true", help="also a train step (cross-entropy + adamw; bf16 experts)")
     pl.add_argument("--experts", choices=("mxfp4", "bf16"), default=None,
                     help="routed expert storage (default mxfp4, bf16 with --train)")

@@ -18,6 +18,7 @@ from k3jax.layer_plan import plan_layers
 from k3jax.memory_plan.measure import Program, extrapolate, measure
 from k3jax.memory_plan.programs import lowerings
 from k3jax.memory_plan.state import state_bytes
+from k3jax.prefill_chunk import default_chunk_size
 from sharding import make_mesh
 
 # The routed experts' grouped GEMMs as a device runs them: CPU XLA lowers ragged_dot by expanding the
@@ -70,10 +71,14 @@ def reduced_config(cfg: K3Config, layers: int) -> K3Config:
 
 
 def plan_memory(cfg: K3Config, mesh_spec: str, hbm: int, *, batch: int = 1, max_len: int = 131072,
-                seq_len: int = 4096, train: bool = False, layers: int | None = None, experts: str = "mxfp4",
+                seq_len: int | None = None, train: bool = False, layers: int | None = None, experts: str = "mxfp4",
                 kernels: Kernels = DEVICE_KERNELS) -> MemoryPlan:
     """Compile and measure on the devices of `mesh_spec` (see `ensure_cpu_devices`); `layers` None =
-    full depth, else extrapolate from `layers` and `layers` + one scanned group."""
+    full depth, else extrapolate from `layers` and `layers` + one scanned group. `seq_len` None: the
+    prefill chunk `k3jax.prefill` uses on a device of `hbm` bytes (`default_chunk_size`), at most
+    `max_len`."""
+    if seq_len is None:
+        seq_len = min(default_chunk_size(cfg, batch, hbm), max_len)
     start = time.perf_counter()
     mesh = make_mesh(mesh_spec)
     full = cfg.num_hidden_layers

@@ -1,7 +1,8 @@
 """The programs a plan compiles, lowered over the abstract sharded state (nothing runs).
 
-prefill: a `seq_len`-token chunk into an empty cache of capacity `max_len`, keeping only the last
-position's logits, as serving does; decode: one token per row, the cache donated; train (optional):
+prefill: one `seq_len`-token chunk appended to a cache of capacity `max_len` (the cache donated, only
+the last position's logits kept), as `k3jax.prefill` runs every chunk of a long prompt; decode: one
+token per row, the cache donated; train (optional):
 cross-entropy on `seq_len` tokens and one adamw update, parameters and optimizer state donated.
 """
 
@@ -33,10 +34,10 @@ def lowerings(cfg: K3Config, mesh: Mesh, *, experts: str, batch: int, max_len: i
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(*batch_spec[:1])))
     cache_sh = [c.sharding for c in caches]
 
-    def prefill(p, ids):
+    def prefill(p, c, ids):
         m = jax.tree.unflatten(model_def, p)
-        out, new = run_model(m, ids, m.empty_cache(ids.shape[0], max_len))
-        return out.logits[:, -1], jax.tree.leaves(new)
+        out, new = run_model(m, ids, jax.tree.unflatten(cache_def, c), last_logits_only=True)
+        return out.logits[:, 0], jax.tree.leaves(new)
 
     def decode(p, c, tokens):
         m = jax.tree.unflatten(model_def, p)
@@ -44,7 +45,8 @@ def lowerings(cfg: K3Config, mesh: Mesh, *, experts: str, batch: int, max_len: i
         return out.logits[:, 0], jax.tree.leaves(new)
 
     found: dict[str, Lowering] = {
-        "prefill": lambda: jax.jit(prefill, out_shardings=(None, cache_sh)).lower(params, ids),
+        "prefill": lambda: jax.jit(prefill, out_shardings=(None, cache_sh), donate_argnums=1)
+        .lower(params, caches, ids),
         "decode": lambda: jax.jit(decode, out_shardings=(None, cache_sh), donate_argnums=1)
         .lower(params, caches, tokens),
     }

@@ -44,7 +44,7 @@ class DecoderLayer(nnx.Module):
         self, cfg: K3Config, mixer: MixerKind, ffn: FfnKind, *, dtype: jnp.dtype, rngs: nnx.Rngs,
         kernels: Kernels = Kernels(),
     ) -> None:
-        """One layer of `mixer` and `ffn` kinds; `kernels` picks the KDA and routed-expert kernels."""
+        """One layer of `mixer` and `ffn` kinds; `kernels` picks the KDA, MLA and routed-expert kernels."""
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attention_res_proj = Linear(d, 1, dtype=dtype, axes=(None, "embed"), rngs=rngs)
         self.self_attention_res_norm = RMSNorm(d, eps, dtype=dtype, axis="embed", rngs=rngs)
@@ -52,7 +52,7 @@ class DecoderLayer(nnx.Module):
         if mixer == "kda":
             self.self_attn = KimiDeltaAttention(cfg, dtype=dtype, rngs=rngs, kernels=kernels)
         else:
-            self.self_attn = GatedMLA(cfg, dtype=dtype, rngs=rngs)
+            self.self_attn = GatedMLA(cfg, dtype=dtype, rngs=rngs, kernels=kernels)
         self.mlp_res_proj = Linear(d, 1, dtype=dtype, axes=(None, "embed"), rngs=rngs)
         self.mlp_res_norm = RMSNorm(d, eps, dtype=dtype, axis="embed", rngs=rngs)
         self.post_attention_layernorm = RMSNorm(d, eps, dtype=dtype, axis="embed", rngs=rngs)

@@ -2,9 +2,11 @@
 
 The 'rope' dims are concatenated unrotated; k_pe is one key part shared by all heads and is not
 normalised; scale (nope + rope)^-0.5; o *= sigmoid(g_proj x) before o_proj (k3-architecture.md §6.1).
-The cache holds the per-token latent (normalised c_kv || k_pe), and single-token decode runs in the
-absorbed form: W_UK folded into the query, W_UV applied after attending over the latents.
-Softmax and scores are fp32.
+The cache holds the per-token latent (normalised c_kv || k_pe). Prefill (and the forward without a
+cache) runs `pallas_kernels.mla.mla_prefill_attention`, which expands per-head keys/values from the
+latents and attends flash-style (no [T, S] scores; implementation from `Kernels.mla`); single-token
+decode runs in the absorbed form: W_UK folded into the query, W_UV applied after attending over the
+latents. Softmax and scores are fp32.
 """
 
 from __future__ import annotations
@@ -16,21 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MLA_LOW_RANK_NORM_EPS, K3Config
+from k3jax.kernels import Kernels
 from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm
-from pallas_kernels.precision import exact_if_fp32
-
-
-QUERY_CHUNK = 1024  # prefill query rows attended at once (bounds the [heads, rows, keys] fp32 scores)
-
-
-def _attention_mask(query_pos: jax.Array, key_pos: jax.Array, start: jax.Array | None) -> jax.Array:
-    """Causal mask [T, S] (also hides unwritten cache rows); with left padding (`start` [B], first real
-    position per row) [B, 1, T, S], pads hidden except from themselves so no softmax row is empty."""
-    mask = key_pos[None, :] <= query_pos[:, None]
-    if start is None:
-        return mask
-    real = (key_pos[None, None, :] >= start[:, None, None]) | (key_pos[None, :] == query_pos[:, None])
-    return (mask & real)[:, None]
+from pallas_kernels.mla import attention_mask, mla_prefill_attention
 
 
 class MLACache(NamedTuple):
@@ -44,7 +34,7 @@ class MLACache(NamedTuple):
 
 
 class GatedMLA(nnx.Module):
-    def __init__(self, cfg: K3Config, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: K3Config, *, dtype: jnp.dtype, rngs: nnx.Rngs, kernels: Kernels = Kernels()) -> None:
         d, h = cfg.hidden_size, cfg.mla_num_heads
         self.q_a_proj = Linear(d, cfg.q_lora_rank, dtype=dtype, axes=("q_lora", "embed"), rngs=rngs)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, MLA_LOW_RANK_NORM_EPS, dtype=dtype, axis="q_lora", rngs=rngs)
@@ -62,7 +52,7 @@ class GatedMLA(nnx.Module):
         self.num_heads, self.kv_lora_rank = h, cfg.kv_lora_rank
         self.nope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
         self.scale = cfg.qk_head_dim**-0.5
-        self.query_chunk = QUERY_CHUNK
+        self.kernels = kernels  # static: which MLA prefill attention runs
 
     def __call__(
         self, x: jax.Array, cache: MLACache | None = None, position: jax.Array | int = 0,
@@ -71,9 +61,9 @@ class GatedMLA(nnx.Module):
         """x [B, T, D]. With a cache, the T new tokens sit at positions [position, position + T).
 
         `start` int32 [B]: keys before start[b] are left padding and hidden from row b (a pad query
-        still sees itself, so no softmax row is empty). `segments` int32 [B, T] (packed documents,
-        no cache): a query sees only keys with its segment id (K3 has no positional encoding, so a
-        document needs no position reset).
+        still sees itself, so no softmax row is empty; `pallas_kernels.mla.attention_mask`).
+        `segments` int32 [B, T] (packed documents, no cache): a query sees only keys with its
+        segment id (K3 has no positional encoding, so a document needs no position reset).
         """
         if segments is not None and cache is not None:
             raise ValueError("segments (packed documents) are for cache-free passes; got a cache too")
@@ -82,57 +72,22 @@ class GatedMLA(nnx.Module):
         ckv = self.kv_a_proj_with_mqa(x)
         latent = jnp.concatenate([self.kv_a_layernorm(ckv[..., : self.kv_lora_rank]), ckv[..., self.kv_lora_rank :]], -1)
 
-        query_pos = position + jnp.arange(seq)
         if cache is None:
-            latents, key_pos = latent, jnp.arange(seq)
+            latents = latent
         else:
             latents = jax.lax.dynamic_update_slice_in_dim(cache.latent, latent.astype(cache.latent.dtype), position, 1)
-            key_pos = jnp.arange(latents.shape[1])
         if cache is not None and seq == 1:
-            o = self._attend_absorbed(q, latents, _attention_mask(query_pos, key_pos, start))
+            mask = attention_mask(position + jnp.arange(seq), jnp.arange(latents.shape[1]), start)[:, None]
+            o = self._attend_absorbed(q, latents, mask)
         else:
-            o = self._attend_expanded(q, latents, query_pos, key_pos, start, segments)
+            # Without a cache the queries are the whole sequence: offset 0, known statically.
+            offset = position if cache is not None else 0
+            o = mla_prefill_attention(q, latents.astype(q.dtype), self.kv_b_proj.weight[...],
+                                      nope_dim=self.nope_dim, scale=self.scale, q_offset=offset, start=start,
+                                      segment_ids=segments, implementation=self.kernels.mla)
         o = o.reshape(batch, seq, self.num_heads * self.v_dim)
         o = o * jax.nn.sigmoid(self.g_proj(x))
         return self.o_proj(o), (MLACache(latents) if cache is not None else None)
-
-    def _attend_expanded(
-        self, q: jax.Array, latents: jax.Array, query_pos: jax.Array, key_pos: jax.Array, start: jax.Array | None,
-        segments: jax.Array | None = None,
-    ) -> jax.Array:
-        """Per-head keys/values re-expanded from the latents with kv_b_proj (prefill).
-
-        Queries go in chunks of `query_chunk` rows, so the fp32 scores and the mask are [chunk, S]
-        rather than [T, S] (a 128K prompt would otherwise need [heads, T, T] scores). Each row's
-        softmax still sees all its keys, so chunking does not change the result."""
-        batch, keys, _ = latents.shape
-        kv = self.kv_b_proj(latents[..., : self.kv_lora_rank].astype(q.dtype)).reshape(batch, keys, self.num_heads, -1)
-        k_nope, v = kv[..., : self.nope_dim], kv[..., self.nope_dim :]
-        k_pe = jnp.broadcast_to(latents[:, :, None, self.kv_lora_rank :].astype(q.dtype), (*k_nope.shape[:3], q.shape[-1] - self.nope_dim))
-        k = jnp.concatenate([k_nope, k_pe], axis=-1)
-
-        def attend(q_rows: jax.Array, rows_pos: jax.Array, rows_seg: jax.Array | None = None) -> jax.Array:
-            scores = jnp.einsum("bthd,bshd->bhts", q_rows, k, preferred_element_type=F32,
-                                precision=exact_if_fp32(q.dtype)) * self.scale
-            mask = _attention_mask(rows_pos, key_pos, start)
-            if rows_seg is not None:
-                mask = mask & (rows_seg[:, None, :, None] == segments[:, None, None, :])
-            probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(q.dtype)
-            return jnp.einsum("bhts,bshd->bthd", probs, v, preferred_element_type=F32,
-                              precision=exact_if_fp32(q.dtype)).astype(q.dtype)
-
-        seq, chunk = q.shape[1], self.query_chunk
-        if seq <= chunk:
-            return attend(q, query_pos, segments)
-        pad = -seq % chunk
-        q_chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(batch, -1, chunk, *q.shape[2:])
-        pos_chunks = jnp.pad(query_pos, (0, pad), mode="edge").reshape(-1, chunk)
-        xs = (jnp.moveaxis(q_chunks, 1, 0), pos_chunks)
-        if segments is not None:
-            seg_chunks = jnp.pad(segments, ((0, 0), (0, pad)), mode="edge").reshape(batch, -1, chunk)
-            xs = (*xs, jnp.moveaxis(seg_chunks, 1, 0))
-        out = jax.lax.map(lambda args: attend(*args), xs)
-        return jnp.moveaxis(out, 0, 1).reshape(batch, seq + pad, *out.shape[3:])[:, :seq]
 
     def _attend_absorbed(self, q: jax.Array, latents: jax.Array, mask: jax.Array) -> jax.Array:
         """Attention in latent space: scores q_nope W_UK . c + q_pe . k_pe; output (p . c) W_UV^T. fp32."""

@@ -78,7 +78,8 @@ def test_mixed_batch_logits_equal_alone(golden_model_fp32, padded, batched, alon
     """Prefill logits at the real positions and every decode step's logits, left-padded batch vs alone."""
     ids, lengths = padded
     _, ref = alone
-    logits, cache = prefill(golden_model_fp32, ids, capacity=ids.shape[1] + NEW - 1, prompt_lengths=lengths)
+    logits, cache = prefill(golden_model_fp32, ids, capacity=ids.shape[1] + NEW - 1, prompt_lengths=lengths,
+                            return_all_logits=True)
     steps = [np.asarray(logits[:, -1])]
     for i in range(NEW - 1):
         step_logits, cache = k3jax.decode_step(golden_model_fp32, cache, batched.tokens[:, i])
@@ -126,10 +127,13 @@ def test_stop_tokens_scan_and_streamed(golden_model_fp32, padded, batched):
 
 
 def test_streaming_callback_sees_tokens_in_order(golden_model_fp32, padded, batched):
+    """Also: a prompt prefilled in chunks of 32 (the 67 pads of row 0 span two chunks) generates the
+    tokens of the whole-prompt prefill."""
     ids, lengths = padded
     mask = np.arange(ids.shape[1])[None, :] >= ids.shape[1] - np.asarray(lengths)[:, None]  # same padding as a mask
     seen = []
-    out = k3jax.generate(golden_model_fp32, ids, attention_mask=mask, max_new_tokens=NEW, on_token=seen.append)
+    out = k3jax.generate(golden_model_fp32, ids, attention_mask=mask, max_new_tokens=NEW, on_token=seen.append,
+                         prefill_chunk_size=32)
     assert len(seen) == NEW and all(s.shape == (len(LENGTHS),) and s.dtype == np.int32 for s in seen)
     np.testing.assert_array_equal(np.stack(seen, axis=1), out)
     np.testing.assert_array_equal(out, batched.tokens)

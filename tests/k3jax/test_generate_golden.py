@@ -24,7 +24,8 @@ def test_greedy_generation_is_identical(golden_model_fp32, reference):
 def test_prefill_and_step_logits(golden_model_fp32, reference):
     """Logits of the prefill and of each cached step, fed the reference's tokens (teacher forcing)."""
     prompt, new_ids = jnp.asarray(reference["prompt_ids"]), reference["new_ids"]
-    logits, cache = k3jax.prefill(golden_model_fp32, prompt, capacity=prompt.shape[1] + new_ids.shape[1])
+    logits, cache = k3jax.prefill(golden_model_fp32, prompt, capacity=prompt.shape[1] + new_ids.shape[1],
+                                  return_all_logits=True)
     assert rel_rms(logits[0], reference["prefill_logits"]) <= 1e-4
     steps = [np.asarray(logits[0, -1])]
     for token in new_ids[0, :-1]:

@@ -1,7 +1,9 @@
-"""prefill + decode_step must reproduce one forward pass over the whole sequence (fp32, 1e-5).
+"""prefill (whole or in chunks) + decode_step must reproduce one forward pass over the whole
+sequence (fp32, 1e-5).
 
-Both paths compute the same function in fp32; they differ only in operation order (chunked vs
-recurrent KDA, expanded vs absorbed MLA), so agreement is at fp32 rounding level (~1e-6).
+All paths compute the same function in fp32; they differ only in operation order (chunked vs
+recurrent KDA, other chunk boundaries, blockwise vs absorbed MLA), so agreement is at fp32 rounding
+level (~1e-6).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ def test_prefill_then_decode_equals_full_forward(golden_model_fp32, prompt_len):
     ids = jnp.asarray(np.random.default_rng(prompt_len).integers(0, 512, (2, prompt_len + steps)), jnp.int32)
     full = np.asarray(golden_model_fp32(ids))
 
-    logits, cache = k3jax.prefill(golden_model_fp32, ids[:, :prompt_len], capacity=prompt_len + steps)
+    logits, cache = k3jax.prefill(golden_model_fp32, ids[:, :prompt_len], capacity=prompt_len + steps,
+                                  return_all_logits=True)
+    assert logits.shape == (2, prompt_len, 512)
     assert rel_rms(logits, full[:, :prompt_len]) <= 1e-5
     for t in range(prompt_len, prompt_len + steps):
         step_logits, cache = k3jax.decode_step(golden_model_fp32, cache, ids[:, t])
@@ -43,6 +47,34 @@ def test_extend_in_pieces_equals_full_forward(golden_model_fp32, cuts):
     assert last.shape == (2, 512) and rel_rms(last, full[:, -1]) <= 1e-5
     with pytest.raises(ValueError, match="no room"):
         k3jax.extend(golden_model_fp32, cache, ids[:, :1])
+
+
+def test_chunked_prefill_equals_one_forward(golden_model_fp32):
+    """A 70-token prompt in chunks of 32 (two full chunks and a 6-token remainder): every position's
+    logits, the last position's (the default return), the cache and the next step match the forward."""
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 512, (2, 71)), jnp.int32)
+    full = np.asarray(golden_model_fp32(ids))
+    every, _ = k3jax.prefill(golden_model_fp32, ids[:, :70], capacity=71, chunk_size=32, return_all_logits=True)
+    assert every.shape == (2, 70, 512) and rel_rms(every, full[:, :70]) <= 1e-5
+    last, cache = k3jax.prefill(golden_model_fp32, ids[:, :70], capacity=71, chunk_size=32)
+    assert last.shape == (2, 512) and rel_rms(last, full[:, 69]) <= 1e-5
+    assert int(cache.length) == 70
+    step, _ = k3jax.decode_step(golden_model_fp32, cache, ids[:, 70])
+    assert rel_rms(step, full[:, 70]) <= 1e-5
+
+
+def test_chunked_left_padded_prefill_equals_unchunked(golden_model_fp32):
+    """Left padding deeper than a chunk (row 0: 67 pads, so its first two chunks are mostly pads):
+    the real positions' logits match the unchunked prefill, and each row matches itself alone."""
+    rng = np.random.default_rng(4)
+    ids, lengths = k3jax.left_pad([rng.integers(0, 511, 3).tolist(), rng.integers(0, 511, 70).tolist()], 511)
+    whole, _ = k3jax.prefill(golden_model_fp32, ids, prompt_lengths=lengths, return_all_logits=True)
+    chunked, cache = k3jax.prefill(golden_model_fp32, ids, prompt_lengths=lengths, chunk_size=32,
+                                   return_all_logits=True)
+    np.testing.assert_array_equal(cache.start, [67, 0])
+    assert rel_rms(chunked[0, 67:], whole[0, 67:]) <= 1e-5 and rel_rms(chunked[1], whole[1]) <= 1e-5
+    alone = np.asarray(golden_model_fp32(ids[:1, 67:]))
+    assert rel_rms(chunked[0, 67:], alone[0]) <= 1e-5
 
 
 def test_decode_past_capacity_is_an_error(golden_model_fp32):

@@ -13,12 +13,14 @@ from k3jax.config import K3Config
 from k3jax.kernels import Kernels
 from k3jax.model import K3Model
 from k3jax.nn import kda as kda_module
+from k3jax.nn import mla as mla_module
 from k3jax.nn import moe as moe_module
 from k3jax.nn.decoder import DecoderLayer
 from tests.conftest import GOLDEN_DIR
 
 # The op entries the layers call, by the name they have in the layer's module.
-OPS = {"chunk_kda_fused": kda_module, "kda_decode": kda_module, "routed_experts": moe_module}
+OPS = {"chunk_kda_fused": kda_module, "kda_decode": kda_module, "routed_experts": moe_module,
+       "mla_prefill_attention": mla_module}
 
 
 @pytest.fixture(scope="module")
@@ -92,16 +94,17 @@ def run_and_record(monkeypatch, model: K3Model) -> dict[str, set[tuple[str, obje
     return by_site
 
 
-def test_kda_and_moe_choice_reach_every_call_site(cfg, monkeypatch):
-    by_site = run_and_record(monkeypatch, K3Model.init(cfg, kernels={"kda": "xla", "moe": "xla"}))
-    chunked = {("chunk_kda_fused", "xla"), ("routed_experts", "xla")}
+def test_kda_mla_and_moe_choice_reach_every_call_site(cfg, monkeypatch):
+    by_site = run_and_record(monkeypatch, K3Model.init(cfg, kernels={"kda": "xla", "moe": "xla", "mla": "xla"}))
+    chunked = {("chunk_kda_fused", "xla"), ("routed_experts", "xla"), ("mla_prefill_attention", "xla")}
     for name in ("prefill", "generate", "generate_streaming"):
         assert chunked <= by_site[name], f"{name} traced {sorted(map(str, by_site[name]))}"
     for name, seen in by_site.items():
         asked = {impl for op, impl in seen if op != "kda_decode"}
-        assert asked == {"xla"}, f"{name}: chunk_kda_fused / routed_experts were asked for {asked}, not only 'xla'"
+        assert asked == {"xla"}, f"{name}: chunk_kda_fused / routed_experts / mla were asked for {asked}, not only 'xla'"
     assert ("routed_experts", "xla") in by_site["decode_step"]
-    assert not any(op == "chunk_kda_fused" for op, _ in by_site["decode_step"])  # one token: the recurrent step
+    # One token: the recurrent KDA step and the absorbed MLA form.
+    assert not any(op in ("chunk_kda_fused", "mla_prefill_attention") for op, _ in by_site["decode_step"])
 
 
 def test_kda_decode_choice_reaches_every_decode_step(cfg, monkeypatch):

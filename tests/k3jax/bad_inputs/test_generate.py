@@ -35,9 +35,9 @@ def compiled(monkeypatch):
         return record
 
     fake = (jnp.zeros((2, 3), jnp.int32), jnp.zeros(2, jnp.int32))
-    monkeypatch.setattr(gen, "_generate", recorder("generate", lambda *a: fake))
+    monkeypatch.setattr(gen, "_decode_loop", recorder("generate", lambda *a: fake))
     monkeypatch.setattr(gen, "_streamed", recorder("generate", lambda *a: fake))
-    monkeypatch.setattr(gen, "_prefill", recorder("prefill", lambda *a: (None, None)))
+    monkeypatch.setattr(gen, "_run_prompt", recorder("prefill", lambda *a: (None, None)))
     monkeypatch.setattr(gen, "_decode_step", recorder("decode", lambda *a: (None, None)))
     monkeypatch.setattr(model_module, "_forward", recorder("forward", lambda *a: None))
     return calls
@@ -121,6 +121,7 @@ BAD_SETTINGS = {  # case -> (generate keyword arguments, regex)
     "max_new_tokens 0": (dict(max_new_tokens=0), r"max_new_tokens=0: expected an integer >= 1"),
     "max_new_tokens -3": (dict(max_new_tokens=-3), r"max_new_tokens=-3: expected an integer >= 1"),
     "max_new_tokens True": (dict(max_new_tokens=True), r"max_new_tokens=True: expected an integer"),
+    "prefill_chunk_size 0": (dict(prefill_chunk_size=0), r"prefill_chunk_size=0: expected an integer >= 1"),
     "seed 2**32": (dict(seed=2**32), r"seed=4294967296: expected an integer in \[0, 4294967295\]"),
     "seed 2**63": (dict(seed=2**63), r"seed=9223372036854775808: expected an integer in \[0, 4294967295\]"),
     "seed 2**70": (dict(seed=2**70), r"seed=1180591620717411303424: expected"),
@@ -170,7 +171,7 @@ def test_bad_generate_settings(golden_model_fp32, compiled, case):
     with pytest.raises(ValueError, match=message):  # the streamed loop checks the same way
         generate(golden_model_fp32, PROMPT if "input_ids" not in BAD_SETTINGS[case][0] else
                  BAD_SETTINGS[case][0]["input_ids"], on_token=lambda t: None, **kwargs)
-    assert not compiled.generate
+    assert not (compiled.generate or compiled.prefill)
 
 
 BAD_LEFT_PAD = {  # case -> (sequences, pad_token_id, regex)
@@ -202,6 +203,9 @@ def test_prefill_checks_padding_and_capacity(golden_model_fp32, compiled):
         prefill(golden_model_fp32, [[5, 6, 7], [8, 9, PAD]], prompt_lengths=[3, 2])
     with pytest.raises(ValueError, match=r"capacity=4\.0: expected an integer"):
         prefill(golden_model_fp32, PROMPT, capacity=4.0)
+    for chunk in (0, 2.5, True):
+        with pytest.raises(ValueError, match=rf"chunk_size={chunk!r}: expected an integer >= 1"):
+            prefill(golden_model_fp32, PROMPT, chunk_size=chunk)
     assert not compiled.prefill
 
 
@@ -220,8 +224,10 @@ EDGE_SETTINGS = {  # valid edge values -> what the compiled program receives
 def test_valid_edge_settings_reach_the_program(golden_model_fp32, compiled, case):
     kwargs = dict(dict(input_ids=PROMPT, prompt_lengths=LENGTHS, max_new_tokens=2), **EDGE_SETTINGS[case])
     generate(golden_model_fp32, kwargs.pop("input_ids"), **kwargs)
+    (prompt,) = compiled.prefill
+    _, ids, start, *_ = prompt.args
     (call,) = compiled.generate
-    _, ids, start, _, stop, pad = call.args
+    *_, stop, pad = call.args
     assert ids.dtype == jnp.int32 and start.tolist() == [3 - n for n in kwargs["prompt_lengths"]]
     expected_stop = [int(t) for t in kwargs.get("stop_tokens", [])]
     assert stop.tolist() == expected_stop + [-1] * (8 - len(expected_stop))

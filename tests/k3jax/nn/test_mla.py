@@ -18,6 +18,7 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from k3jax.config import K3Config  # noqa: E402
+from k3jax.kernels import Kernels  # noqa: E402
 from k3jax.nn.mla import GatedMLA, MLACache  # noqa: E402
 
 # fp32 vs float64: a chain of five GEMMs over <= 128-term sums (HIGHEST precision on every
@@ -151,20 +152,13 @@ def test_cache_holds_normalised_latent_and_raw_k_pe(mla: GatedMLA, cfg: K3Config
     np.testing.assert_array_equal(latent[:, 4:], 0.0)
 
 
-@pytest.mark.parametrize("chunk", [4, 7])
-def test_query_chunked_prefill_matches_numpy(cfg: K3Config, chunk: int) -> None:
-    """Long prompts attend in query chunks (T = 19 is not a multiple of either chunk); each row's
-    softmax still sees all its keys, so the result is the unchunked one (same fp32 operations per row)."""
-    m = GatedMLA(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
+def test_prefill_attention_follows_the_kernel_choice(cfg: K3Config) -> None:
+    """The expanded (prefill) path runs `Kernels.mla`: the blockwise "xla" implementation matches the
+    numpy layer at T = 19, and a name no implementation has is refused."""
+    m = GatedMLA(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3), kernels=Kernels(mla="xla"))
     x = inputs(cfg, 19, seed=5)
-    unchunked, _ = m(jnp.asarray(x))
-    m.query_chunk = chunk
-    chunked, _ = m(jnp.asarray(x))
-    assert rel(chunked, unchunked) <= 1e-6
-    assert rel(chunked, np_gated_mla(m, cfg, x)) <= TOL
-    start = jnp.asarray([3, 0], jnp.int32)  # left padding: the mask is built per chunk too
-    m.query_chunk = 1024
-    padded_unchunked, _ = m(jnp.asarray(x), None, 0, start)
-    m.query_chunk = chunk
-    padded_chunked, _ = m(jnp.asarray(x), None, 0, start)
-    assert rel(padded_chunked, padded_unchunked) <= 1e-6
+    out, _ = m(jnp.asarray(x))
+    assert rel(out, np_gated_mla(m, cfg, x)) <= TOL
+    m.kernels = Kernels(mla="no_such_kernel")
+    with pytest.raises(ValueError, match="no_such_kernel"):
+        m(jnp.asarray(x))

@@ -1,0 +1,173 @@
+"""Decode at the bandwidth limit: one decode step of an 8-layer K3 at full width (32 experts) with a
+1024-token context, at batch 1 / 16 / 64, against the bytes the step must read and the device's copy
+bandwidth measured in the same job; plus a profiler trace of the steps summarised into the top ops.
+
+Bytes a step must read: every non-routed parameter; of the routed experts, the fraction the step's
+router actually picks (distinct experts per MoE layer, read from the step's router ids, over all
+layers); the KDA states (fp32) and conv windows; the MLA latent cache up to the context length. Its
+floor is bytes / bandwidth, where bandwidth = 2 x size / time of a plain device copy of 1 GiB (read +
+write). "% of limit" = floor / measured step time.
+
+The trace (`jax.profiler.trace`, Perfetto JSON) is summed by event name over the timed steps; the
+top ops by total time go to the printed table and to --out.
+
+    PYTHONPATH=. python benchmarks/decode_bandwidth.py --out decode_bandwidth.json   # one GPU
+    PYTHONPATH=. python benchmarks/decode_bandwidth.py --smoke --out /tmp/db.json      # CPU, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gzip
+import json
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.e2e_reduced_k3 import reduced_config
+from benchmarks.timing import median_ms
+from k3jax.assets import tiny_checkpoint
+from k3jax.generate import _decode_step, prefill
+from k3jax.model import K3Model, run_model
+from k3jax.nn.kda import KDACache
+from k3jax.nn.mla import MLACache
+
+ROUTED = ("w1", "w2", "w3")  # the routed experts' stacked weights, leading axis = expert (after any layer axis)
+
+
+def nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def split_param_bytes(model: K3Model) -> tuple[int, int]:
+    """(non-routed parameter bytes, routed expert bytes)."""
+    routed = other = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
+        names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+        size = leaf.size * leaf.dtype.itemsize
+        if names & set(ROUTED):
+            routed += size
+        else:
+            other += size
+    return other, routed
+
+
+def touched_expert_fraction(model: K3Model, cache, tokens: jax.Array) -> float:
+    """Distinct routed experts the step picks, over all MoE layers, / (layers x experts)."""
+    out, _ = run_model(model, tokens[:, None], jax.tree.map(jnp.copy, cache), collect_taps=True)
+    picked = [np.unique(np.asarray(t.router_ids)).size for t in out.taps if t.router_ids is not None]
+    return sum(picked) / (len(picked) * model.config.num_experts) if picked else 0.0
+
+
+def cache_read_bytes(cache, context: int) -> int:
+    """KDA state + conv (whole) and the MLA latents up to `context` positions."""
+    total = 0
+    for node in jax.tree.leaves(cache, is_leaf=lambda x: isinstance(x, (KDACache, MLACache))):
+        if isinstance(node, KDACache):
+            total += nbytes(node)
+        elif isinstance(node, MLACache):
+            lat = node.latent
+            total += lat.size // lat.shape[-2] * context * lat.dtype.itemsize
+    return total
+
+
+def copy_bandwidth(size: int) -> float:
+    """Bytes/s of a plain on-device copy (read + write) of `size` bytes."""
+    x = jnp.ones((size // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 0.0)  # not elided by XLA: a real read and write of every element
+    ms = median_ms(copy, x, reps=7, inner=5)
+    return 2 * x.size * 4 / (ms / 1e3)
+
+
+def summarise_trace(trace_dir: Path, top: int) -> list[dict]:
+    """Total time per event name in the Perfetto trace, device events where the trace has any."""
+    files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+    if not files:
+        return []
+    with gzip.open(files[-1], "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e["args"].get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = {pid for pid, name in names.items() if "/device:" in name and "CPU" not in name.upper()}
+    totals, counts = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e or (device_pids and e.get("pid") not in device_pids):
+            continue
+        totals[e["name"]] += e["dur"]
+        counts[e["name"]] += 1
+    whole = sum(totals.values()) or 1
+    return [{"op": name, "total_us": us, "calls": counts[name], "share": us / whole}
+            for name, us in totals.most_common(top)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/kimi_k3.json")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--smoke", action="store_true", help="the tiny model on CPU")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.smoke:
+        cfg = dataclasses.replace(reduced_config(str(tiny_checkpoint()), 8, 8), dtype="float32")
+        batches, context, copy_size = [1, 4], 32, 1 << 24
+    else:
+        cfg = reduced_config(args.config, 8, 32)
+        batches, context, copy_size = [int(b) for b in args.batches.split(",")], args.context, 1 << 30
+    model = K3Model.init(cfg, seed=0)
+    other, routed = split_param_bytes(model)
+    bandwidth = copy_bandwidth(copy_size)
+    results = {"device": str(jax.devices()[0]), "layers": cfg.num_hidden_layers, "experts": cfg.num_experts,
+               "context": context, "copy_bandwidth_bytes_per_s": bandwidth, "non_routed_param_bytes": other,
+               "routed_param_bytes": routed, "runs": []}
+    print(json.dumps(results), flush=True)
+    trace_dir = Path(tempfile.mkdtemp(prefix="decode_trace_"))
+    for batch in batches:
+        ids = jax.random.randint(jax.random.key(batch), (batch, context), 0, cfg.vocab_size, jnp.int32)
+        _, cache = prefill(model, ids, capacity=context + 4 * args.steps + 8)
+        tokens = ids[:, -1]
+        fraction = touched_expert_fraction(model, cache, tokens)
+        read = other + int(routed * fraction) + cache_read_bytes(cache, context)
+
+        def steps():
+            nonlocal cache
+            for _ in range(args.steps):
+                logits, cache = _decode_step(model, cache, tokens)
+            return logits
+
+        step_ms = median_ms(steps, reps=3) / args.steps
+        floor_ms = read / bandwidth * 1e3
+        run = {"batch": batch, "step_ms": step_ms, "bytes_read": read, "experts_touched": fraction,
+               "floor_ms": floor_ms, "percent_of_limit": 100 * floor_ms / step_ms}
+        if batch == batches[-1]:
+            with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+                jax.block_until_ready(steps())
+            results["top_ops"] = summarise_trace(trace_dir, args.top)
+            results["top_ops_batch"] = batch
+        results["runs"].append(run)
+        print(json.dumps(run), flush=True)
+    print("\n| batch | step ms | bytes read (MB) | experts touched | floor ms | % of limit |")
+    print("|---|---|---|---|---|---|")
+    for r in results["runs"]:
+        print(f"| {r['batch']} | {r['step_ms']:.3f} | {r['bytes_read'] / 1e6:.1f} | "
+              f"{100 * r['experts_touched']:.0f}% | {r['floor_ms']:.3f} | {r['percent_of_limit']:.0f}% |")
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; top ops at batch {results.get('top_ops_batch')}:")
+    print("| op | total us | calls | share |")
+    print("|---|---|---|---|")
+    for op in results.get("top_ops", []):
+        print(f"| {op['op'][:70]} | {op['total_us']:.0f} | {op['calls']} | {100 * op['share']:.1f}% |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""MLA prefill attention: per-head keys/values expanded from the cached latents, attended causally
+without [T, S] scores in memory.
+
+``mla_prefill_attention`` takes ``implementation`` ("cudnn", "xla" or None for the policy; see
+``dispatch.py``); ``attention_mask`` is the one definition of which keys a query sees, shared with the
+model's absorbed decode step.
+"""
+
+from pallas_kernels.mla.api import mla_prefill_attention
+from pallas_kernels.mla.cudnn import cudnn_mla_attention
+from pallas_kernels.mla.dispatch import IMPLEMENTATIONS
+from pallas_kernels.mla.reference import (
+    attention_mask, blockwise_mla_attention, expand_keys_values, naive_mla_attention,
+)
+
+__all__ = [
+    "IMPLEMENTATIONS", "attention_mask", "blockwise_mla_attention", "cudnn_mla_attention", "expand_keys_values",
+    "mla_prefill_attention", "naive_mla_attention",
+]

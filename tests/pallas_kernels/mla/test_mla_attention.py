@@ -1,0 +1,133 @@
+"""MLA prefill attention: every implementation that runs on CPU against an independent float64 numpy
+attention, the masks exactly, and the dispatch policy.
+
+Shapes are K3's in miniature (H = 3 heads, N = 8 nope + P = 4 rope key dims, V = 6 value dims,
+R = 10 latent rank). fp32 vs float64: two GEMMs over <= 12-term sums and a softmax over <= 40 keys,
+~1e-7 relative; 1e-5 is a wide margin that any masking or scaling slip (>= 1e-2) breaks.
+"""
+
+from __future__ import annotations
+
+import jax
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pallas_kernels.mla import (  # noqa: E402
+    IMPLEMENTATIONS, blockwise_mla_attention, cudnn_mla_attention, mla_prefill_attention, naive_mla_attention,
+)
+from pallas_kernels.mla.dispatch import cudnn_supports  # noqa: E402
+
+H, N, P, V, R = 3, 8, 4, 6, 10
+SCALE = (N + P) ** -0.5
+TOL = 1e-5
+
+
+def numpy_attention(q, latents, w, offset, start):
+    """float64: expand keys/values, causal + left-padding mask, softmax, weighted values."""
+    q, latents, w = (np.asarray(a, np.float64) for a in (q, latents, w))
+    batch, seq = q.shape[:2]
+    kv = (latents[..., :R] @ w.T).reshape(batch, -1, H, N + V)
+    k = np.concatenate([kv[..., :N], np.broadcast_to(latents[:, :, None, R:], (*kv.shape[:3], P))], -1)
+    scores = np.einsum("bthd,bshd->bhts", q, k) * SCALE
+    qp, kp = offset + np.arange(seq), np.arange(k.shape[1])
+    mask = np.broadcast_to(kp[None, :] <= qp[:, None], (batch, seq, k.shape[1])).copy()
+    if start is not None:
+        mask &= (kp[None, None, :] >= np.asarray(start)[:, None, None]) | (kp[None, :] == qp[:, None])[None]
+    scores = np.where(mask[:, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshv->bthv", probs, kv[..., N:])
+
+
+def problem(seq, keys, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((2, seq, H, N + P)), jnp.float32)
+    latents = jnp.asarray(rng.standard_normal((2, keys, R + P)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((H * (N + V), R)) / R**0.5, jnp.float32)
+    return q, latents, w
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b**2)))
+
+
+BLOCKWISE = lambda **kw: blockwise_mla_attention(**kw, block_q=4, block_k=5)  # noqa: E731
+CUDNN_AS_XLA = lambda **kw: cudnn_mla_attention(**kw, implementation="xla")  # noqa: E731
+# (seq, keys, offset, start): a whole prompt; a chunk at an offset in a larger cache; left padding
+# deeper than the first chunk, and within it.
+CASES = [(13, 13, 0, None), (9, 40, 17, None), (9, 40, 17, (20, 3)), (13, 13, 0, (5, 0))]
+
+
+# The cuDNN call (value padding, causal mask; run through XLA's attention on CPU) takes whole
+# prompts only (dispatch sends the rest elsewhere).
+RUNS = [(name, *case) for name in ("blockwise", "naive", "cudnn_as_xla") for case in CASES
+        if name != "cudnn_as_xla" or case[2:] == (0, None)]
+
+
+@pytest.mark.parametrize("name,seq,keys,offset,start", RUNS)
+def test_matches_numpy(name, seq, keys, offset, start):
+    fn = {"blockwise": BLOCKWISE, "naive": naive_mla_attention, "cudnn_as_xla": CUDNN_AS_XLA}[name]
+    q, latents, w = problem(seq, keys)
+    start_arr = None if start is None else jnp.asarray(start, jnp.int32)
+    out = jax.jit(lambda q, lat, w: fn(q=q, latents=lat, w_kv_b=w, nope_dim=N, scale=SCALE, q_offset=offset,
+                                       start=start_arr))(q, latents, w)
+    assert out.shape == (2, seq, H, V)
+    assert rel(out, numpy_attention(q, latents, w, offset, start)) <= TOL
+
+
+def test_hidden_keys_are_never_read():
+    """Exact masking: keys after the last query (unwritten cache rows) and left pads may hold anything
+    (row 0's queries 17..19 are pads themselves and see their own keys, so its garbage stops at 17)."""
+    q, latents, w = problem(9, 40)
+    start = jnp.asarray([20, 3], jnp.int32)
+    run = jax.jit(lambda lat: BLOCKWISE(q=q, latents=lat, w_kv_b=w, nope_dim=N, scale=SCALE, q_offset=17,
+                                        start=start))
+    garbage = latents.at[:, 26:].set(1e4).at[0, :17].set(-7e3).at[1, :3].set(5e3)
+    np.testing.assert_array_equal(run(latents), run(garbage))
+
+
+def test_blockwise_gradient_matches_naive():
+    """The forward without a cache trains through the blockwise path: its gradient is the naive one's."""
+    q, latents, w = problem(11, 11, seed=3)
+    start = jnp.asarray([0, 4], jnp.int32)
+
+    def loss(fn, q, lat, w):
+        return jnp.sum(fn(q=q, latents=lat, w_kv_b=w, nope_dim=N, scale=SCALE, start=start) ** 2)
+
+    got = jax.grad(lambda *a: loss(BLOCKWISE, *a), argnums=(0, 1, 2))(q, latents, w)
+    want = jax.grad(lambda *a: loss(naive_mla_attention, *a), argnums=(0, 1, 2))(q, latents, w)
+    for g, e in zip(got, want):
+        assert np.all(np.isfinite(g)) and rel(g, e) <= TOL
+
+
+def test_policy_and_cudnn_limits():
+    q, latents, w = problem(5, 5)
+    out = mla_prefill_attention(q, latents, w, nope_dim=N, scale=SCALE)  # CPU policy: blockwise "xla"
+    assert rel(out, numpy_attention(q, latents, w, 0, None)) <= TOL
+    assert list(IMPLEMENTATIONS) == ["cudnn", "xla"]
+    with pytest.raises(NotImplementedError, match="runs on"):
+        mla_prefill_attention(q, latents, w, nope_dim=N, scale=SCALE, implementation="cudnn")
+    k3 = dict(cached=False, left_padding=False, dtype=jnp.bfloat16, qk_dim=192)
+    assert cudnn_supports(**k3) is None
+    assert "cache" in cudnn_supports(**{**k3, "cached": True})
+    assert "left padding" in cudnn_supports(**{**k3, "left_padding": True})
+    assert "bf16" in cudnn_supports(**{**k3, "dtype": jnp.float32})
+    assert "head sizes" in cudnn_supports(**{**k3, "qk_dim": 576})
+    with pytest.raises(ValueError, match="only a whole prompt"):
+        cudnn_mla_attention(q, latents, w, nope_dim=N, scale=SCALE, q_offset=jnp.int32(0), implementation="xla")
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda q, lat, w: (q[0], lat, w), "expected q"),
+    (lambda q, lat, w: (q, lat[..., :-1], w), "do not match"),
+    (lambda q, lat, w: (q, lat, w[:-1]), "heads"),
+    (lambda q, lat, w: (q, lat[:, :3], w), "latent positions"),
+])
+def test_bad_inputs_name_the_problem(change, match):
+    with pytest.raises(ValueError, match=match):
+        mla_prefill_attention(*change(*problem(5, 5)), nope_dim=N, scale=SCALE)
