@@ -26,8 +26,8 @@ SCALE = (N + P) ** -0.5
 TOL = 1e-5
 
 
-def numpy_attention(q, latents, w, offset, start):
-    """float64: expand keys/values, causal + left-padding mask, softmax, weighted values."""
+def numpy_attention(q, latents, w, offset, start, segments=None):
+    """float64: expand keys/values, causal + left-padding (+ document) mask, softmax, weighted values."""
     q, latents, w = (np.asarray(a, np.float64) for a in (q, latents, w))
     batch, seq = q.shape[:2]
     kv = (latents[..., :R] @ w.T).reshape(batch, -1, H, N + V)
@@ -37,6 +37,9 @@ def numpy_attention(q, latents, w, offset, start):
     mask = np.broadcast_to(kp[None, :] <= qp[:, None], (batch, seq, k.shape[1])).copy()
     if start is not None:
         mask &= (kp[None, None, :] >= np.asarray(start)[:, None, None]) | (kp[None, :] == qp[:, None])[None]
+    if segments is not None:
+        segments = np.asarray(segments)
+        mask &= segments[:, :, None] == segments[:, None, :]
     scores = np.where(mask[:, None], scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
@@ -112,14 +115,26 @@ def test_policy_and_cudnn_limits():
     assert list(IMPLEMENTATIONS) == ["cudnn", "xla"]
     with pytest.raises(NotImplementedError, match="runs on"):
         mla_prefill_attention(q, latents, w, nope_dim=N, scale=SCALE, implementation="cudnn")
-    k3 = dict(cached=False, left_padding=False, dtype=jnp.bfloat16, qk_dim=192)
+    k3 = dict(cached=False, left_padding=False, segments=False, dtype=jnp.bfloat16, qk_dim=192)
     assert cudnn_supports(**k3) is None
+    assert "document" in cudnn_supports(**{**k3, "segments": True})
     assert "cache" in cudnn_supports(**{**k3, "cached": True})
     assert "left padding" in cudnn_supports(**{**k3, "left_padding": True})
     assert "bf16" in cudnn_supports(**{**k3, "dtype": jnp.float32})
     assert "head sizes" in cudnn_supports(**{**k3, "qk_dim": 576})
     with pytest.raises(ValueError, match="only a whole prompt"):
         cudnn_mla_attention(q, latents, w, nope_dim=N, scale=SCALE, q_offset=jnp.int32(0), implementation="xla")
+
+
+@pytest.mark.parametrize("attend", [naive_mla_attention, BLOCKWISE, mla_prefill_attention])
+def test_packed_documents_see_only_their_own_keys(attend):
+    """Segment ids (packed training rows): documents 1, 2, 3 and trailing padding 0, across blocks."""
+    q, latents, w = problem(13, 13)
+    segments = jnp.asarray([[1] * 4 + [2] * 6 + [3] * 3, [1] * 9 + [0] * 4], jnp.int32)
+    out = attend(q=q, latents=latents, w_kv_b=w, nope_dim=N, scale=SCALE, segment_ids=segments)
+    assert rel(out, numpy_attention(q, latents, w, 0, None, segments)) <= TOL
+    with pytest.raises(ValueError, match="whole cache-free sequence"):
+        mla_prefill_attention(q[:, 1:], latents, w, nope_dim=N, scale=SCALE, q_offset=1, segment_ids=segments)
 
 
 @pytest.mark.parametrize("change,match", [
