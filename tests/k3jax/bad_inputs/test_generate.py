@@ -221,8 +221,8 @@ def test_valid_edge_settings_reach_the_program(golden_model_fp32, compiled, case
     kwargs = dict(dict(input_ids=PROMPT, prompt_lengths=LENGTHS, max_new_tokens=2), **EDGE_SETTINGS[case])
     generate(golden_model_fp32, kwargs.pop("input_ids"), **kwargs)
     (call,) = compiled.generate
-    _, ids, start, _, stop, pad = call.args
-    assert ids.dtype == jnp.int32 and start.tolist() == [3 - n for n in kwargs["prompt_lengths"]]
+    _, ids, start, _, stop, pad, images = call.args
+    assert images is None and ids.dtype == jnp.int32 and start.tolist() == [3 - n for n in kwargs["prompt_lengths"]]
     expected_stop = [int(t) for t in kwargs.get("stop_tokens", [])]
     assert stop.tolist() == expected_stop + [-1] * (8 - len(expected_stop))
     assert int(pad) == int(kwargs.get("pad_token_id", PAD))
