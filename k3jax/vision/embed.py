@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.vision.position import ROPE_MAX_SIDE
-
-Grid = tuple[int, int, int]
+from k3jax.vision.tower import Grid
 
 
 @dataclasses.dataclass(frozen=True)
