@@ -28,7 +28,7 @@ def _cudnn_supports(*, dtype: jnp.dtype, head_dim: int) -> str | None:
 
 
 def _run(implementation: str):
-    def run(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array | None) -> jax.Array:
         attend = lambda: jax.nn.dot_product_attention(  # noqa: E731
             q, k, v, query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation=implementation)
         if exact_if_fp32(q.dtype) is None:
@@ -58,6 +58,9 @@ def item_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: tuple[int,
                    implementation: str | None = None) -> jax.Array:
     """q, k, v [L, H, hd] packed items of `lengths` (static) -> [L, H, hd]; scale head_dim^-1/2."""
     impl = choose("vision_attention", IMPLEMENTATIONS, implementation, dtype=q.dtype, head_dim=q.shape[-1])
+    if len(set(lengths)) == 1:  # items of one length (one image, say): a plain batch, no padding
+        out = impl.run(*(x.reshape(len(lengths), lengths[0], *x.shape[1:]) for x in (q, k, v)), None)
+        return out.reshape(q.shape)
     to_padded, to_packed = packed_layout(lengths)
     padded = [x[to_padded] for x in (q, k, v)]  # [items, longest, H, hd]
     out = impl.run(*padded, jnp.asarray(lengths, jnp.int32))

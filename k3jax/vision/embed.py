@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.vision.position import ROPE_MAX_SIDE
-
-Grid = tuple[int, int, int]
+from k3jax.vision.tower import Grid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +64,8 @@ def check_pixels(pixel_values: Any, grids: tuple[Grid, ...], patch: int) -> jax.
     if not jnp.issubdtype(pixels.dtype, jnp.floating) or tuple(pixels.shape) != expected:
         raise ValueError(f"pixel_values must be floats of shape {list(expected)} (the patches of grid_thws); got "
                          f"{pixels.dtype} {list(pixels.shape)}")
-    if not bool(jnp.all(jnp.isfinite(pixels))):
+    finite = np.isfinite(pixels).all() if isinstance(pixels, np.ndarray) else jnp.isfinite(pixels).all()
+    if not bool(finite):
         raise ValueError("pixel_values hold NaN or inf")
     return jnp.asarray(pixels)
 
@@ -90,16 +90,17 @@ def prepare_images(model, ids: jax.Array, start: jax.Array | None, pixel_values:
     zero_row = int(feature_at[-1])
     rows, image = [], 0
     for b in range(batch):
-        row = []
-        for t in range(int(first[b]), width):
-            token = host[b, t]
-            if token == cfg.media_placeholder_token_id:
-                if image < len(grids):
-                    row.extend(range(feature_at[image], feature_at[image] + counts[image]))
-                image += 1
-            else:
-                row.append(zero_row if token == cfg.pad_token_id else b * width + t)
-        rows.append(row)
+        real = host[b, int(first[b]):]
+        sources = b * width + np.arange(int(first[b]), width)
+        if cfg.pad_token_id is not None:
+            sources = np.where(real == cfg.pad_token_id, zero_row, sources)
+        pieces, previous = [], 0
+        for mark in np.flatnonzero(real == cfg.media_placeholder_token_id).tolist():
+            pieces.append(sources[previous:mark])
+            if image < len(grids):
+                pieces.append(np.arange(feature_at[image], feature_at[image] + counts[image]))
+            image, previous = image + 1, mark + 1
+        rows.append(np.concatenate(pieces + [sources[previous:]]))
     if image != len(grids):
         raise ValueError(f"input_ids hold {image} image placeholder(s) (media_placeholder_token_id="
                          f"{cfg.media_placeholder_token_id}) but {len(grids)} image(s) were given: each image "

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+VIDEO_SUFFIXES = (".mp4", ".mov", ".avi", ".mkv", ".webm", ".m4v", ".mpeg", ".mpg", ".wmv", ".flv")
 IMAGE_PROMPT = "<|media_begin|>image {width}x{height}<|media_content|><|media_pad|><|media_end|>"
 ImageLike = Image.Image | str | Path
 
@@ -115,6 +116,8 @@ def image_prompt_ids(width: int, height: int, tokenizer: Any) -> list[int]:
 def load_image(path: str | Path) -> Image.Image:
     """Decode an image file with Pillow, its EXIF orientation applied. Errors name the path."""
     path = Path(path)
+    if path.suffix.lower() in VIDEO_SUFFIXES:
+        raise ValueError(f"{path}: video is not supported (the released K3 processor takes images only)")
     if not path.is_file():
         raise FileNotFoundError(f"image file {path} does not exist")
     try:

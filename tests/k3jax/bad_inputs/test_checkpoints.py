@@ -72,7 +72,7 @@ def _remove_item_file(out: Path) -> None:
 def test_resume_redoes_damaged_items(output, golden_dir, converted, damage):
     damage(output)
     result = convert(golden_dir, output, resume=True, progress=False)
-    assert (result.written, result.skipped) == (1, 14)
+    assert (result.written, result.skipped) == (1, 15)
     assert (output / COMPLETE).is_file()
     read = lambda root: json.loads((root / MANIFEST).read_text())["items"]  # noqa: E731
     assert read(output) == read(converted)
@@ -85,8 +85,8 @@ def test_resume_of_an_older_manifest_checks_checksums_and_records_files(output, 
     (output / MANIFEST).write_text(json.dumps(manifest))
     _remove_item(output)
     result = convert(golden_dir, output, resume=True, progress=False)
-    assert (result.written, result.skipped) == (1, 14)
-    assert len(json.loads((output / MANIFEST).read_text())["files"]) == 15
+    assert (result.written, result.skipped) == (1, 15)
+    assert len(json.loads((output / MANIFEST).read_text())["files"]) == 16  # embed, 13 layers, head, vision
 
 
 def test_resume_never_deletes_through_a_linked_items_folder(tmp_path, output, golden_dir, capsys):
@@ -98,7 +98,7 @@ def test_resume_never_deletes_through_a_linked_items_folder(tmp_path, output, go
     assert capsys.readouterr().err == f"error: {output / ITEMS} is a symbolic link; a conversion output must hold " \
                                       "its own files (nothing is deleted or written through a link)\n"
     assert (elsewhere / "precious.txt").read_text() == "keep me"
-    assert len(list(elsewhere.iterdir())) == 16
+    assert len(list(elsewhere.iterdir())) == 17  # 16 items and precious.txt
 
 
 def test_resume_refuses_a_link_inside_the_output(tmp_path, output, golden_dir):

@@ -93,6 +93,8 @@ def test_image_files_that_cannot_be_read_name_the_path(tmp_path):
         load_image(garbage)
     with pytest.raises(FileNotFoundError, match="missing.jpg does not exist"):
         process_images([tmp_path / "missing.jpg"])
+    with pytest.raises(ValueError, match="clip.MP4: video is not supported"):
+        process_images([tmp_path / "clip.MP4"])
 
 
 @pytest.mark.parametrize(("images", "message"), [

@@ -34,9 +34,10 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def golden_config(golden_dir: Path, **text_overrides) -> dict:
-    """The golden release config with text_config fields replaced."""
+    """The golden release config with text_config fields replaced (the vision projector follows the text width)."""
     config = json.loads((golden_dir / "config.json").read_text())
     config["text_config"].update(text_overrides)
+    config["vision_config"]["text_hidden_size"] = config["text_config"]["hidden_size"]
     return config
 
 

@@ -14,7 +14,7 @@ def test_progress_bar_and_summary(tmp_path, golden_dir, capsys):
     assert main(["convert", str(golden_dir), str(tmp_path / "out")]) == 0
     out, err = capsys.readouterr()
     assert "convert: 100%" in err and "B/s" in err and "<00:00" in err  # rate and ETA
-    assert "15 item(s) written, 0 already done, 5.3 MiB" in out  # experts kept MXFP4-packed
+    assert "16 item(s) written, 0 already done, 5.8 MiB" in out  # experts kept MXFP4-packed; vision item included
 
 
 def test_quiet_prints_nothing(tmp_path, golden_dir, capsys):

@@ -39,7 +39,7 @@ def test_float32_round_trip_gives_the_direct_logits(converted_fp32, golden_model
 
 def test_items_are_per_layer_orbax_checkpoints(converted_fp32):
     manifest = json.loads((converted_fp32 / MANIFEST).read_text())
-    assert list(manifest["items"]) == ["embed", *(f"layer_{i:03d}" for i in range(13)), "head"]
+    assert list(manifest["items"]) == ["embed", *(f"layer_{i:03d}" for i in range(13)), "head", "vision"]
     leaves = ItemStore(converted_fp32).restore("layer_004")
     assert leaves["block_sparse_moe.experts.w1.packed"].shape == (16, 64, 32)  # one layer, not a stacked group
     assert leaves["block_sparse_moe.experts.w1.scale"].shape == (16, 64, 2)
@@ -98,5 +98,5 @@ def test_verify_finds_a_corrupted_item_and_resume_repairs_it(tmp_path, golden_di
     assert "layer_006" not in json.loads((out / MANIFEST).read_text())["items"]
 
     result = convert(golden_dir, out, dtype="float32", resume=True, verify=True, progress=False)
-    assert (result.written, result.skipped) == (1, 14)
+    assert (result.written, result.skipped) == (1, 15)
     assert json.loads((out / MANIFEST).read_text())["items"] == json.loads((converted_fp32 / MANIFEST).read_text())["items"]

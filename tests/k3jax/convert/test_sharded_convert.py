@@ -145,7 +145,7 @@ def test_interrupted_sharded_conversion_resumes(tmp_path, golden_dir, converted_
     monkeypatch.setattr(sharded, "_save", real_save)
 
     result = convert(golden_dir, out, dtype="float32", mesh=SPLIT_MESH, resume=True, progress=False)
-    assert (result.skipped, result.written) == (4, 11)
+    assert (result.skipped, result.written) == (4, 12)
     assert (out / COMPLETE).is_file()
     assert manifest_items(out) == manifest_items(converted_fp32)
     assert sorted(p.name for p in (out / ITEMS).iterdir()) == sorted(manifest_items(out))  # no debris
