@@ -158,7 +158,7 @@ class Chat:
             logits, self._cache = prefill(
                 self.model, ids, capacity=capacity, pixel_values=np.concatenate([image.patches for image in every]),
                 grid_thws=np.asarray([image.grid for image in every], np.int64))
-        return logits[:, -1]
+        return logits  # the last position's [1, vocab]
 
     def _process(self, images: Sequence[ImageLike]) -> list[_Image]:
         """Images (PIL images or file paths) -> their patches and sizes, before anything runs."""
