@@ -35,6 +35,7 @@ import grain
 import numpy as np
 from grain import experimental as grain_experimental
 
+from k3jax.chat import encode_for_training, k3_tokenizer, messages_from_dicts
 from k3jax.tokenizer import Tokenizer
 
 # `(tokenizer, messages) -> (ids, loss_mask)`: K3's chat encoding of one conversation for training.
@@ -52,6 +53,11 @@ class Document:
 
     ids: np.ndarray
     mask: np.ndarray
+
+
+def k3_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[int]]:
+    """K3's chat encoding of OpenAI-style message dicts, loss on the assistant turns (`k3jax.chat`)."""
+    return encode_for_training(k3_tokenizer(tokenizer), messages_from_dicts(messages))
 
 
 def _int_list(value: object, where: str, field: str, vocab_size: int) -> np.ndarray:
@@ -73,7 +79,7 @@ def _mask_list(value: object, where: str, field: str, length: int) -> np.ndarray
 
 
 def _record_document(record: object, where: str, tokenizer: Tokenizer, vocab_size: int,
-                     encode_chat: ChatEncoder | None) -> Document:
+                     encode_chat: ChatEncoder) -> Document:
     """One parsed JSON line -> a Document, or a DataError saying what is wrong with it."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -103,8 +109,6 @@ def _record_document(record: object, where: str, tokenizer: Tokenizer, vocab_siz
                 else np.ones(len(ids), np.float32))
         doc = Document(ids, mask)
     else:
-        if encode_chat is None:
-            raise DataError(f"{where}: messages: this reader has no chat encoding")
         if not isinstance(record["messages"], list) or not record["messages"]:
             raise DataError(f"{where}: messages: expected a non-empty list of message objects")
         try:
@@ -121,7 +125,7 @@ def _record_document(record: object, where: str, tokenizer: Tokenizer, vocab_siz
 
 
 def read_documents(path: str | Path, tokenizer: Tokenizer, *, vocab_size: int,
-                   encode_chat: ChatEncoder | None = None) -> list[Document]:
+                   encode_chat: ChatEncoder = k3_chat) -> list[Document]:
     """Every record of the JSONL file `path`, checked and tokenised (blank lines are skipped)."""
     path = Path(path)
     try:

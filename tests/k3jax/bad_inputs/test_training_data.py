@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from k3jax.tokenizer import ByteTokenizer
@@ -57,3 +59,15 @@ def test_bad_files(tmp_path, content, message):
     path.write_bytes(content)
     with pytest.raises(DataError, match=message):
         read_documents(path, TOKENIZER, vocab_size=512)
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([{"content": "x"}], "messages: messages[0]: expected a dict with a string 'role'"),
+    ([{"role": "user", "content": "only a question"}], "messages: no token after the first carries loss"),
+])
+def test_bad_chat_records_with_k3s_encoding(tmp_path, messages, message):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(DataError) as err:
+        read_documents(path, TOKENIZER, vocab_size=512)
+    assert str(err.value).startswith(f"{path}:1: ") and message in str(err.value)

@@ -42,6 +42,16 @@ def test_chat_records_use_the_chat_encoder(tmp_path):
     assert docs[0].ids.tolist() == [1, 2, 3] and docs[0].mask.tolist() == [0, 1, 1]
 
 
+def test_chat_records_default_to_k3s_encoding(tmp_path):
+    messages = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+    docs = read_documents(write_jsonl(tmp_path / "d.jsonl", [{"messages": messages}]), TOKENIZER, vocab_size=512)
+    ids, mask = docs[0].ids, docs[0].mask
+    trained = bytes(int(i) for i, m in zip(ids, mask) if m and i < 256)
+    untrained = bytes(int(i) for i, m in zip(ids, mask) if not m and i < 256)
+    assert b"pong" in trained and b"ping" not in trained and b"ping" in untrained
+    assert mask[-1] == 1 and ids[-1] == 258  # the closing <|end_of_msg|> is learned
+
+
 def test_long_documents_split_into_pieces_of_seq_len_pairs(tmp_path):
     records = [{"input_ids": list(range(10))}, {"input_ids": list(range(20, 30)), "loss_mask": [1] * 9 + [0]}]
     pieces = split_documents(read_documents(write_jsonl(tmp_path / "d.jsonl", records), TOKENIZER, vocab_size=512), 4)
