@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from k3jax.checkpoint.release_writer import write_model_release
@@ -36,6 +37,7 @@ from k3jax.training.data import PackedBatches, fingerprint, read_documents, spli
 from k3jax.training.options import FinetuneOptions, read_recorded
 from k3jax.training.progress import MetricsLog, ProgressBar, plot_losses, read_metrics
 from k3jax.training.trainer import Batch, TrainConfig, Trainer
+from sharding import parse_mesh_spec
 
 # Files of a release directory that are not weights: copied into OUT/final so it is a complete model.
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -207,6 +209,11 @@ def finetune(model: str | Path | K3Model, data: str | Path, out: str | Path, *, 
     if not data.is_file():
         raise ValueError(f"--data {data}: no such file")
     prepare_out(out, resume=resume)
+    if opts.mesh is not None:
+        try:
+            parse_mesh_spec(opts.mesh, jax.device_count())
+        except ValueError as err:
+            raise ValueError(f"--mesh {opts.mesh}: {err}") from None
     if isinstance(model, K3Model):
         if source is None:
             raise ValueError("finetune(model, ...): pass source= the directory the model was loaded from (its "
@@ -215,7 +222,7 @@ def finetune(model: str | Path | K3Model, data: str | Path, out: str | Path, *, 
     else:
         source = Path(model)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(source)
-    vocab = model.cfg.vocab_size if isinstance(model, K3Model) else K3Config.from_hf(source / "config.json").vocab_size
+    vocab = model.config.vocab_size if isinstance(model, K3Model) else K3Config.from_hf(source / "config.json").vocab_size
     run_data = RunData.read(data, tokenizer, vocab, opts)
     if not isinstance(model, K3Model):
         model = from_pretrained(source, dtype=opts.dtype, mesh=opts.mesh, experts=None if opts.lora_rank else "bf16")
