@@ -14,6 +14,7 @@ import jax
 
 from k3jax.checkpoint.safetensors_index import CheckpointError
 from k3jax.config import ConfigError
+from k3jax.training.config import REMAT_POLICIES
 from k3jax.training.options import DTYPES, OPTIMIZERS, SCHEDULES, FinetuneOptions
 from k3jax.training.run import finetune
 
@@ -57,7 +58,9 @@ def add_finetune_command(commands: argparse._SubParsersAction) -> None:
     ft.add_argument("--seed", type=_integer, default=d.seed, help="data order and the trainer's RNG")
     ft.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
     ft.add_argument("--lora-rank", type=_integer, default=d.lora_rank, help="0: full fine-tuning")
-    ft.add_argument("--lora-alpha", type=_number, default=None, help="LoRA scale numerator (default: the rank)")
+    ft.add_argument("--lora-alpha", type=_number, default=None, help="LoRA scale: adapters add alpha/rank * B(A(x)) (default: the trainer's)")
+    ft.add_argument("--remat", choices=("none", *REMAT_POLICIES), default=d.remat,
+                    help="recompute each decoder layer's activations in the backward pass by this policy")
     ft.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="model parameters and activations")
     ft.add_argument("--mesh", metavar="SPEC", default=None, help="e.g. data=2,tensor=4 (default: one device)")
     ft.add_argument("--save-every", type=_integer, default=d.save_every, help="checkpoint every N steps")

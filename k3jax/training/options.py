@@ -2,7 +2,7 @@
 
 Each field is also a `k3jax finetune` flag (`lora_rank` <-> `--lora-rank`), so an error names the flag
 the user typed. A resumed run must keep the options that decide what the next step computes (data
-order, shapes, optimizer, adapters); it may raise `steps` and change how often it saves or evaluates.
+order, shapes, optimizer and its schedule, adapters); it may change how often it saves or evaluates.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-OPTIMIZERS = ("adamw", "muon")
-SCHEDULES = ("cosine", "linear", "constant")
+from k3jax.training.config import OPTIMIZERS, REMAT_POLICIES, SCHEDULES
+
 DTYPES = ("float32", "bfloat16")
 # May differ between a run and its resumption: they change when things happen, not what a step computes.
-RESUMABLE_CHANGES = ("steps", "save_every", "eval_every", "keep", "progress")
+RESUMABLE_CHANGES = ("save_every", "eval_every", "keep", "progress")
 
 
 def flag(field: str) -> str:
@@ -41,6 +41,7 @@ class FinetuneOptions:
     optimizer: str = "adamw"
     lora_rank: int = 0  # 0: full fine-tuning
     lora_alpha: float | None = None  # None: the trainer's default
+    remat: str = "none"  # a jax.checkpoint_policies name applied to every decoder layer, or "none"
     dtype: str = "float32"  # parameters and activations of the loaded model
     mesh: str | None = None  # e.g. "data=2,tensor=4"; None: one device
     save_every: int = 50  # checkpoint every this many steps (and at the end, and on Ctrl-C)
@@ -72,7 +73,8 @@ class FinetuneOptions:
         if self.lora_alpha is not None and not (isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0
                                                 and math.isfinite(self.lora_alpha)):
             raise ValueError(f"--lora-alpha {self.lora_alpha!r}: expected a finite number > 0")
-        for field, allowed in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("dtype", DTYPES)):
+        for field, allowed in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("dtype", DTYPES),
+                               ("remat", ("none", *REMAT_POLICIES))):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{flag(field)} {getattr(self, field)!r}: expected one of {', '.join(allowed)}")
         if self.eval_data is not None and not Path(self.eval_data).is_file():

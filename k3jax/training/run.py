@@ -36,8 +36,9 @@ from k3jax.training.checkpointing import RunCheckpoints
 from k3jax.training.data import PackedBatches, fingerprint, read_documents, split_documents
 from k3jax.training.options import FinetuneOptions, read_recorded
 from k3jax.training.progress import MetricsLog, ProgressBar, plot_losses, read_metrics
-from k3jax.training.trainer import Batch, TrainConfig, Trainer
-from sharding import parse_mesh_spec
+from k3jax.training.config import Batch, TrainConfig
+from k3jax.training.step import Trainer
+from sharding import make_mesh, parse_mesh_spec
 
 # Files of a release directory that are not weights: copied into OUT/final so it is a complete model.
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -65,7 +66,7 @@ def _trainer_config(options: FinetuneOptions) -> TrainConfig:
     wanted = dict(optimizer=options.optimizer, learning_rate=options.learning_rate, warmup_steps=options.warmup_steps,
                   total_steps=options.steps, schedule=options.schedule, weight_decay=options.weight_decay,
                   grad_clip_norm=options.grad_clip_norm, grad_accum_steps=options.grad_accum_steps,
-                  lora_rank=options.lora_rank)
+                  lora_rank=options.lora_rank, remat=options.remat)
     if options.lora_alpha is not None:
         wanted["lora_alpha"] = options.lora_alpha
     return TrainConfig(**{k: v for k, v in wanted.items() if k in fields})
@@ -116,7 +117,8 @@ class _Run:
         else:
             out.mkdir(parents=True)
         (out / "run.json").write_text(json.dumps(self.record, indent=1))
-        self.trainer = Trainer(model, _trainer_config(options), mesh=options.mesh, seed=options.seed)
+        mesh = None if options.mesh is None else make_mesh(options.mesh)
+        self.trainer = Trainer(model, _trainer_config(options), mesh=mesh, seed=options.seed)
         self.checkpoints = RunCheckpoints(out / "checkpoints", keep=options.keep,
                                           best_metric="eval_loss" if self.eval_batches else "loss")
         self.log = MetricsLog(out / "metrics.jsonl")
@@ -159,10 +161,11 @@ class _Run:
                 loss = float(metrics["loss"])  # waits for the step
                 seconds = time.perf_counter() - start
                 self.step += 1
-                tokens = int((arrays["segment_ids"] > 0).sum())
-                record = {"step": self.step, "loss": loss, "tokens": tokens, "seconds": seconds,
-                          "tokens_per_s": tokens / seconds}
-                record.update({k: float(v) for k, v in metrics.items() if k != "loss" and np.ndim(v) == 0})
+                tokens = int((arrays["segment_ids"] > 0).sum())  # not padding
+                record = {"step": self.step, "loss": loss, "lr": float(metrics["lr"]),
+                          "grad_norm": float(metrics["grad_norm"]), "tokens": tokens,
+                          "loss_tokens": int(metrics["tokens"]), "seconds": seconds, "tokens_per_s": tokens / seconds}
+                record.update({k: float(v) for k, v in metrics.items() if k not in record and k != "tokens"})
                 if self.eval_batches and self.step % options.eval_every == 0:
                     record["eval_loss"] = self.eval_loss()
                 self.log.write(record)
