@@ -27,7 +27,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from k3jax.checkpoint.names import MXFP4_SUFFIXES
 from k3jax.checkpoint.release_writer import write_model_release
+from k3jax.checkpoint.safetensors_index import CheckpointIndex
+from k3jax.checkpoint.store import is_converted
 from k3jax.config import K3Config
 from k3jax.model import K3Model
 from k3jax.pretrained import from_pretrained
@@ -183,7 +186,8 @@ class _Run:
 
     def export(self) -> Path:
         """OUT/final: the trained (LoRA-merged) model as a release; routed experts MXFP4 when they were not
-        trained (adapters only), else bf16."""
+        trained (LoRA: packed ones byte for byte, dense ones re-encoded, which is exact for decoded MXFP4),
+        else as trained, in bf16."""
         final = self.out / "final"
         if final.exists():  # a resumed run that had finished exports again
             shutil.rmtree(final)
@@ -197,6 +201,16 @@ class _Run:
     def close(self) -> None:
         self.log.close()
         self.checkpoints.close()
+
+
+def _experts(source: Path, options: FinetuneOptions) -> str | None:
+    """How to load the routed experts: dense to train them all; with LoRA (experts frozen) as the
+    checkpoint stores them, so MXFP4 experts stay packed (4.25 bits/weight) and export byte for byte."""
+    if not options.lora_rank:
+        return "bf16"
+    if is_converted(source):
+        return None  # as converted
+    return "mxfp4" if any(n.endswith(MXFP4_SUFFIXES[0]) for n in CheckpointIndex.open(source).names()) else None
 
 
 def finetune(model: str | Path | K3Model, data: str | Path, out: str | Path, *, resume: bool = False,
@@ -228,7 +242,7 @@ def finetune(model: str | Path | K3Model, data: str | Path, out: str | Path, *, 
     vocab = model.config.vocab_size if isinstance(model, K3Model) else K3Config.from_hf(source / "config.json").vocab_size
     run_data = RunData.read(data, tokenizer, vocab, opts)
     if not isinstance(model, K3Model):
-        model = from_pretrained(source, dtype=opts.dtype, mesh=opts.mesh, experts=None if opts.lora_rank else "bf16")
+        model = from_pretrained(source, dtype=opts.dtype, mesh=opts.mesh, experts=_experts(source, opts))
     run = _Run(model, source.absolute(), run_data, out, opts, resume)
     try:
         run.train()

@@ -27,6 +27,14 @@ def data(tmp_path) -> Path:
     return path
 
 
+def _main(argv: list[str]) -> int:
+    """`k3jax.cli.main`'s exit status (argparse's usage errors exit through SystemExit)."""
+    try:
+        return cli.main(argv)
+    except SystemExit as stop:
+        return stop.code
+
+
 CASES = [
     (["--steps", "0"], "--steps 0: expected an integer >= 1"),
     (["--steps", "x"], "argument --steps: expected an integer, got 'x'"),
@@ -50,7 +58,7 @@ CASES = [
 @pytest.mark.parametrize("extra, message", CASES, ids=[c[1][:36] for c in CASES])
 def test_bad_flags_exit_2_before_loading(no_load, data, tmp_path, capsys, extra, message):
     out = tmp_path / "out"
-    code = cli.main(["finetune", "--model", str(GOLDEN_DIR), "--data", str(data), "--out", str(out), *extra])
+    code = _main(["finetune", "--model", str(GOLDEN_DIR), "--data", str(data), "--out", str(out), *extra])
     _, err = capsys.readouterr()
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert message in err
@@ -60,24 +68,24 @@ def test_bad_flags_exit_2_before_loading(no_load, data, tmp_path, capsys, extra,
 def test_existing_out_without_resume_is_named(no_load, data, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
-    assert cli.main(["finetune", "--model", str(GOLDEN_DIR), "--data", str(data), "--out", str(out)]) == 2
+    assert _main(["finetune", "--model", str(GOLDEN_DIR), "--data", str(data), "--out", str(out)]) == 2
     assert f"{out} already exists; pass --resume" in capsys.readouterr().err
 
 
 def test_resume_without_a_run_is_named(no_load, data, tmp_path, capsys):
     out = tmp_path / "out"
-    assert cli.main(["finetune", "--model", str(GOLDEN_DIR), "--data", str(data), "--out", str(out), "--resume"]) == 2
+    assert _main(["finetune", "--model", str(GOLDEN_DIR), "--data", str(data), "--out", str(out), "--resume"]) == 2
     assert f"--resume: {out} holds no run to resume" in capsys.readouterr().err
 
 
 def test_bad_data_is_named_before_loading(no_load, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"input_ids": [1, 9999]}\n')
-    code = cli.main(["finetune", "--model", str(GOLDEN_DIR), "--data", str(bad), "--out", str(tmp_path / "o")])
+    code = _main(["finetune", "--model", str(GOLDEN_DIR), "--data", str(bad), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert code == 2 and f"{bad}:2: input_ids: token id 9999 is outside the vocabulary [0, 512)" in err
 
 
 def test_missing_model_config_exit_1(no_load, data, tmp_path, capsys):
-    code = cli.main(["finetune", "--model", str(tmp_path), "--data", str(data), "--out", str(tmp_path / "o")])
+    code = _main(["finetune", "--model", str(tmp_path), "--data", str(data), "--out", str(tmp_path / "o")])
     assert code == 1 and "config.json" in capsys.readouterr().err
