@@ -35,6 +35,7 @@ from flax import nnx
 from benchmarks.e2e_reduced_k3 import reduced_config
 from benchmarks.timing import median_ms
 from k3jax.assets import tiny_checkpoint
+from k3jax.checkpoint.names import path_names
 from k3jax.config import K3Config
 from k3jax.kernels import Kernels
 from k3jax.model import K3Model
@@ -53,16 +54,18 @@ def matmul_tflops(n: int, reps: int) -> float:
 
 def active_params(model: K3Model, cfg: K3Config) -> int:
     """Parameters one token runs through: everything but the routed experts, plus top_k of E of them
-    (counted as decoded weights, whatever their storage)."""
-    total = experts = 0
+    (counted as decoded weights, whatever their storage: a packed byte holds two)."""
+    dense = experts = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-        name = jax.tree_util.keystr(path)
-        size = int(np.prod(leaf.shape)) * (2 if name.endswith("packed']") else 1)
-        if ".experts." in name.replace("['", ".").replace("']", "") and not name.endswith("scale']"):
+        name = ".".join(map(str, path_names(path)))
+        if name.endswith(".scale"):
+            continue
+        size = int(np.prod(leaf.shape)) * (2 if name.endswith(".packed") else 1)
+        if ".experts." in name:
             experts += size
-        elif not name.endswith("scale']"):
-            total += size
-    return total + experts * cfg.num_experts_per_token // cfg.num_experts
+        else:
+            dense += size
+    return dense + experts * cfg.num_experts_per_token // cfg.num_experts
 
 
 def fill_packed(model: K3Model, seed: int = 0) -> K3Model:
@@ -120,10 +123,10 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.smoke:
-        args.config, args.seq_len, args.reps, args.matmul = str(tiny_checkpoint() / "config.json"), 32, 2, 256
-        args.layers = args.full_layers = 4
+        args.config, args.seq_len, args.reps, args.matmul = str(tiny_checkpoint() / "config.json"), 16, 2, 256
+        args.layers = args.full_layers = 2
         args.experts = args.full_experts = 16
-        args.kernels = "xla"
+        args.kernels, args.remat = "xla", "none"
 
     peak = matmul_tflops(args.matmul, args.reps)
     results = {"device": str(jax.devices()[0]), "matmul_tflops": peak, "batch": args.batch, "seq_len": args.seq_len,
