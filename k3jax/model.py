@@ -182,7 +182,7 @@ def check_input_ids(input_ids: Any, cfg: K3Config, *, name: str = "input_ids", n
 def run_model(
     model: K3Model, input_ids: jax.Array, cache: ModelCache | None = None, *, collect_taps: bool = False,
     start: jax.Array | None = None, last_logits_only: bool = False, segment_ids: jax.Array | None = None,
-    compute_logits: bool = True, collect_router_stats: bool = False,
+    compute_logits: bool = True, collect_router_stats: bool = False, router_stats_mask: jax.Array | None = None,
 ) -> tuple[ForwardOutput, ModelCache | None]:
     """The whole forward pass. With a cache, the tokens continue the cached sequence.
 
@@ -190,8 +190,8 @@ def run_model(
     padding). Each contiguous stretch of one id computes what it would alone: the KDA state and
     conv window reset where the id changes and MLA attends within the stretch only (K3 has no
     positional encoding). `compute_logits=False` leaves `logits` None (a chunked loss reads
-    `final_hidden` and the lm_head itself). `collect_router_stats` fills `router_stats` (tokens
-    with segment id 0 excluded).
+    `final_hidden` and the lm_head itself). `collect_router_stats` fills `router_stats` over the
+    tokens of `router_stats_mask` (bool [B, T]; default: segment id > 0 when ids are given, else all).
 
     `last_logits_only` computes the logits of the last position only ([B, 1, vocab]): a prompt's
     continuation needs no more, and all positions' fp32 logits dominate memory for long prompts.
@@ -211,7 +211,8 @@ def run_model(
     taps: list[LayerTaps] = []
     runs = None if segment_ids is None else segment_runs(segment_ids)
     layer_kwargs = dict(
-        segments=runs, stats_valid=None if segment_ids is None else segment_ids > 0,
+        segments=runs,
+        stats_valid=router_stats_mask if router_stats_mask is not None or segment_ids is None else segment_ids > 0,
         collect_router_stats=collect_router_stats,
     )
 

@@ -46,7 +46,7 @@ def _fill(template: nnx.State, pure: Any, cast: bool = False) -> nnx.State:
     """A fresh State shaped like `template` holding `pure`'s arrays (cast to the template's dtypes)."""
     state = _abstract(template)
     if cast:
-        pure = jax.tree.map(lambda x, t: x.astype(t.dtype), pure, template.to_pure_dict())
+        pure = jax.tree.map(lambda x, t: x.astype(t.dtype), pure, nnx.to_pure_dict(template))
     nnx.replace_by_pure_dict(state, pure)
     return state
 
@@ -122,20 +122,20 @@ class Trainer:
                 module.deterministic = True
         self._eval_graphdef = nnx.split(model, trainable, RouterBias, LoRADropoutKey, ...)[0]
         self._templates = (_abstract(params), _abstract(bias), _abstract(keys))
-        self.trainable_names = tuple(path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(params.to_pure_dict()))
+        self.trainable_names = tuple(path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(params)))
         self.optimizer = make_optimizer(config, model.config)
         self.schedule = learning_rate_schedule(config)
-        masters = jax.tree.map(lambda x: x.astype(F32), params.to_pure_dict())
+        masters = jax.tree.map(lambda x: x.astype(F32), nnx.to_pure_dict(params))
         self._state = {
             "step": jnp.zeros((), jnp.int32),
             "rng": jax.random.key_data(jax.random.key(seed)),
             "params": masters,
             "opt_state": self.optimizer.init(masters),
-            "router_bias": bias.to_pure_dict(),
+            "router_bias": nnx.to_pure_dict(bias),
         }
-        self._step = jax.jit(self._train_step, donate_argnums=0)
-        self._grads = jax.jit(functools.partial(self._accumulate, deterministic=True))
-        self._eval = jax.jit(self._eval_sums)
+        self._step = jax.jit(self._train_step, donate_argnums=0, static_argnames="packed")
+        self._grads = jax.jit(functools.partial(self._accumulate, deterministic=True), static_argnames="packed")
+        self._eval = jax.jit(self._eval_sums, static_argnames="packed")
 
     # ---- the math ---------------------------------------------------------------------------
     def _model(self, params: Any, bias: Any, keys: Any, frozen: nnx.State, *, deterministic: bool) -> K3Model:
@@ -143,28 +143,28 @@ class Trainer:
         graphdef = self._eval_graphdef if deterministic else self._graphdef
         return nnx.merge(graphdef, _fill(p_t, params, cast=True), _fill(b_t, bias), _fill(k_t, keys), frozen)
 
-    def _sums(self, params, bias, keys, frozen, batch: Batch, *, deterministic: bool, stats: bool):
+    def _sums(self, params, bias, keys, frozen, batch: Batch, *, deterministic: bool, stats: bool, packed: bool):
         model = self._model(params, bias, keys, frozen, deterministic=deterministic)
-        out, _ = run_model(model, batch.input_ids, segment_ids=batch.segment_ids, compute_logits=False,
-                           collect_router_stats=stats)
+        out, _ = run_model(model, batch.input_ids, segment_ids=batch.segment_ids if packed else None,
+                           compute_logits=False, collect_router_stats=stats, router_stats_mask=batch.segment_ids > 0)
         hidden = out.final_hidden.reshape(-1, out.final_hidden.shape[-1])
         sums = chunked_cross_entropy(hidden, model.lm_head.weight[...], batch.targets.reshape(-1),
                                      batch.loss_mask.reshape(-1), vocab_chunk=self.config.vocab_chunk)
         return sums, out.router_stats
 
-    def _accumulate(self, state: dict, frozen: nnx.State, batch: Batch, *, deterministic: bool = False):
+    def _accumulate(self, state: dict, frozen: nnx.State, batch: Batch, *, packed: bool, deterministic: bool = False):
         """Gradients of the step's mean loss (fp32, like the masters), loss sums and router stats,
         summed over `grad_accum_steps` micro-batches (a `lax.scan`)."""
         accum, qb = self.config.grad_accum_steps, self.config.quantile_balancing
         total = jnp.maximum(jnp.sum(batch.loss_mask), 1.0)
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-        keys_pure = self._templates[2].to_pure_dict()
+        keys_pure = nnx.to_pure_dict(self._templates[2])
 
         def objective(params, micro, index):
             keys = refresh_dropout_keys(keys_pure, jax.random.fold_in(step_key, index)) if not deterministic else \
                 jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), keys_pure)
             sums, stats = self._sums(params, state["router_bias"], keys, frozen, micro,
-                                     deterministic=deterministic, stats=qb)
+                                     deterministic=deterministic, stats=qb, packed=packed)
             hist = _stats_like(state["router_bias"], stats, "histogram") if qb else None
             load = _stats_like(state["router_bias"], stats, "load") if qb else None
             return (sums.nll + self.config.z_loss * sums.z) / total, (sums, hist, load)
@@ -184,15 +184,15 @@ class Trainer:
         grads, (sums, hist, load) = carry
         return grads, sums, hist, load
 
-    def _train_step(self, state: dict, frozen: nnx.State, batch: Batch) -> tuple[dict, dict]:
-        grads, sums, hist, load = self._accumulate(state, frozen, batch)
+    def _train_step(self, state: dict, frozen: nnx.State, batch: Batch, packed: bool) -> tuple[dict, dict]:
+        grads, sums, hist, load = self._accumulate(state, frozen, batch, packed=packed)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         bias = state["router_bias"]
         metrics = {
             "loss": sums.nll / jnp.maximum(sums.tokens, 1.0),
             "z_loss": sums.z / jnp.maximum(sums.tokens, 1.0),
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "lr": self.schedule(state["step"]),
             "tokens": sums.tokens,
         }
@@ -203,17 +203,24 @@ class Trainer:
         new_state = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state, "router_bias": bias}
         return new_state, metrics
 
-    def _eval_sums(self, state: dict, frozen: nnx.State, batch: Batch) -> LossSums:
-        keys = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), self._templates[2].to_pure_dict())
-        return self._sums(state["params"], state["router_bias"], keys, frozen, batch, deterministic=True, stats=False)[0]
+    def _eval_sums(self, state: dict, frozen: nnx.State, batch: Batch, packed: bool) -> LossSums:
+        keys = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), nnx.to_pure_dict(self._templates[2]))
+        return self._sums(state["params"], state["router_bias"], keys, frozen, batch, deterministic=True,
+                          stats=False, packed=packed)[0]
 
     # ---- public -----------------------------------------------------------------------------
-    def _place(self, batch: Batch) -> Batch:
+    def _place(self, batch: Batch) -> tuple[Batch, bool]:
+        """The checked batch on the mesh, and whether any row packs documents. A row holding one document
+        then padding (ids c..c 0..0) needs no resets (padding after a document cannot reach it), so
+        such batches run without segment ids and keep the fused KDA kernels, which do not take them."""
         batch = check_batch(batch, self.model_config.vocab_size, self.config.grad_accum_steps)
-        if self.mesh is None:
-            return batch
-        sharding = named_sharding(("activation_batch", None), batch.input_ids.shape, self.mesh, DEFAULT_RULES)
-        return jax.device_put(batch, sharding)
+        seg = np.asarray(batch.segment_ids)
+        first = seg[:, :1]
+        packed = bool(np.any((seg != first) & (seg != 0)) or np.any((seg[:, 1:] != 0) & (seg[:, :-1] == 0)))
+        if self.mesh is not None:
+            sharding = named_sharding(("activation_batch", None), batch.input_ids.shape, self.mesh, DEFAULT_RULES)
+            batch = jax.device_put(batch, sharding)
+        return batch, packed
 
     def step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on `batch` (its rows split into `grad_accum_steps` micro-batches).
@@ -221,18 +228,19 @@ class Trainer:
         Returns metrics: loss (mean next-token NLL over counted tokens), z_loss (mean logsumexp^2),
         grad_norm (before clipping), lr (this step's), tokens (counted), and with Quantile Balancing
         max_load_ratio (max over MoE layers of max / mean expert load in this batch)."""
-        self._state, metrics = self._step(self._state, self._frozen, self._place(batch))
+        self._state, metrics = self._step(self._state, self._frozen, *self._place(batch))
         return {name: float(value) for name, value in metrics.items()}
 
     def gradients(self, batch: Batch) -> tuple[float, dict]:
         """(mean loss, fp32 gradients of the trained leaves as a pure dict) at the current weights,
         without dropout and without updating anything."""
-        grads, sums, _, _ = self._grads(self._state, self._frozen, self._place(batch))
+        batch, packed = self._place(batch)
+        grads, sums, _, _ = self._grads(self._state, self._frozen, batch, packed=packed)
         return float(sums.nll / jnp.maximum(sums.tokens, 1.0)), grads
 
     def eval_loss(self, batch: Batch) -> float:
         """Mean next-token NLL over the batch's counted tokens (no dropout, nothing updated)."""
-        sums = self._eval(self._state, self._frozen, self._place(batch))
+        sums = self._eval(self._state, self._frozen, *self._place(batch))
         return float(sums.nll / jnp.maximum(sums.tokens, 1.0))
 
     def state(self) -> dict:
@@ -255,7 +263,7 @@ class Trainer:
     def merged_model(self) -> K3Model:
         """The trained model in its own dtype: LoRA adapters folded into their base weights, current
         router biases, no remat (what export writes and inference runs)."""
-        keys = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), self._templates[2].to_pure_dict())
+        keys = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), nnx.to_pure_dict(self._templates[2]))
         model = self._model(self._state["params"], self._state["router_bias"], keys, self._frozen, deterministic=True)
         model = merge_lora(nnx.merge(*nnx.split(model)))
         for _, module in nnx.iter_modules(model):
