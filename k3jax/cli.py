@@ -1,4 +1,4 @@
-"""The `k3jax` command line: `demo`, `generate`, `chat`, `convert`, `plan` and `serve`."""
+"""The `k3jax` command line: `demo`, `generate`, `chat`, `convert`, `plan`, `serve` and `finetune`."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from k3jax.memory_plan.command import add_plan_command, int_at_least, run_plan_c
 from k3jax.pretrained import from_pretrained
 from k3jax.serving.command import add_serve_command, run_serve_command
 from k3jax.tokenizer import ByteFallbackWarning, Tokenizer, check_text, load_tokenizer
+from k3jax.training.command import add_finetune_command, run_finetune_command
 from k3jax.units import format_bytes
 from sharding import parse_mesh_spec
 
@@ -318,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_plan_command(commands)
     add_serve_command(commands)
+    add_finetune_command(commands)
 
     args = parser.parse_args(argv)
     try:
@@ -335,6 +337,11 @@ def _run(args: argparse.Namespace) -> int:
         return _run_convert(args)
     if args.command == "chat":
         return run_chat_command(args)
+    if args.command == "finetune":
+        if args.mesh is not None:
+            _use_fake_cpu_devices()
+        distributed.initialize()
+        return run_finetune_command(args)
     if args.command == "demo":
         _use_fake_cpu_devices()
         distributed.initialize()  # before JAX lists devices; nothing happens on a single process
