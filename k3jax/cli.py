@@ -1,4 +1,4 @@
-"""The `k3jax` command line: `demo`, `generate`, `convert` and `plan`."""
+"""The `k3jax` command line: `demo`, `generate`, `convert`, `plan` and `finetune`."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from k3jax.generate import generate
 from k3jax.memory_plan.command import add_plan_command, int_at_least, run_plan_command
 from k3jax.pretrained import from_pretrained
 from k3jax.tokenizer import Tokenizer, check_text, load_tokenizer
+from k3jax.training.command import add_finetune_command, run_finetune_command
 from k3jax.units import format_bytes
 from sharding import parse_mesh_spec
 
@@ -283,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "killed run still resumes exactly, a machine crash may need --resume --verify)")
 
     add_plan_command(commands)
+    add_finetune_command(commands)
 
     args = parser.parse_args(argv)
     try:
@@ -298,6 +300,11 @@ def _run(args: argparse.Namespace) -> int:
         return run_plan_command(args)
     if args.command == "convert":
         return _run_convert(args)
+    if args.command == "finetune":
+        if args.mesh is not None:
+            _use_fake_cpu_devices()
+        distributed.initialize()
+        return run_finetune_command(args)
     if args.command == "demo":
         _use_fake_cpu_devices()
         distributed.initialize()  # before JAX lists devices; nothing happens on a single process

@@ -24,6 +24,8 @@ from k3jax.nn.attn_res import AttnResStream, attn_res_mix
 from k3jax.nn.decoder import DecoderLayer, LayerCache, LayerTaps
 from k3jax.nn.layers import F32, Linear, RMSNorm, declare, linear, normal_init
 from k3jax.nn.mla import MLACache
+from k3jax.nn.moe import RouterStats
+from pallas_kernels.kda.reference import segment_runs
 
 
 class ModelCache(NamedTuple):
@@ -53,6 +55,9 @@ class ForwardOutput(NamedTuple):
     final_hidden: jax.Array  # after the final norm
     final_attn_res: jax.Array  # the output AttnRes mix, input of the final norm
     taps: tuple[LayerTaps, ...] | None  # per layer, when requested
+    # When requested: (head, groups, tail) laid out like the layers, a `RouterStats` per MoE layer
+    # (None for dense ones), group entries stacked [G, ...] like the scanned parameters.
+    router_stats: tuple[tuple[RouterStats | None, ...], ...] | None = None
 
 
 class Embedding(nnx.Module):
@@ -176,9 +181,17 @@ def check_input_ids(input_ids: Any, cfg: K3Config, *, name: str = "input_ids", n
 
 def run_model(
     model: K3Model, input_ids: jax.Array, cache: ModelCache | None = None, *, collect_taps: bool = False,
-    start: jax.Array | None = None, last_logits_only: bool = False,
+    start: jax.Array | None = None, last_logits_only: bool = False, segment_ids: jax.Array | None = None,
+    compute_logits: bool = True, collect_router_stats: bool = False,
 ) -> tuple[ForwardOutput, ModelCache | None]:
     """The whole forward pass. With a cache, the tokens continue the cached sequence.
+
+    `segment_ids` int32 [B, T] (cache-free passes): documents packed in a row (1, 2, 3, ...; 0 =
+    padding). Each contiguous stretch of one id computes what it would alone: the KDA state and
+    conv window reset where the id changes and MLA attends within the stretch only (K3 has no
+    positional encoding). `compute_logits=False` leaves `logits` None (a chunked loss reads
+    `final_hidden` and the lm_head itself). `collect_router_stats` fills `router_stats` (tokens
+    with segment id 0 excluded).
 
     `last_logits_only` computes the logits of the last position only ([B, 1, vocab]): a prompt's
     continuation needs no more, and all positions' fp32 logits dominate memory for long prompts.
@@ -189,50 +202,68 @@ def run_model(
     untouched, AttnRes and MoE are per token. Logits at pad positions are meaningless.
     """
     cfg, plan = model.config, model.plan
+    if segment_ids is not None and cache is not None:
+        raise ValueError("segment_ids (packed documents) are for cache-free passes; got a cache too")
     position = cache.length if cache is not None else jnp.zeros((), jnp.int32)
     if start is None and cache is not None:
         start = cache.start
     stream = AttnResStream.start(model.embed_tokens(input_ids), cfg.num_attn_res_blocks)
     taps: list[LayerTaps] = []
+    runs = None if segment_ids is None else segment_runs(segment_ids)
+    layer_kwargs = dict(
+        segments=runs, stats_valid=None if segment_ids is None else segment_ids > 0,
+        collect_router_stats=collect_router_stats,
+    )
 
     def run_unrolled(layers, indices, caches):
         nonlocal stream
         new_caches = []
         for k, (layer, index) in enumerate(zip(layers, indices)):
-            stream, new_cache, tap = layer(stream, index, caches[k] if caches else None, position, start)
+            stream, new_cache, tap = layer(stream, index, caches[k] if caches else None, position, start, **layer_kwargs)
             new_caches.append(new_cache)
             taps.append(tap)
         return tuple(new_caches)
 
     head = run_unrolled(model.head_layers, plan.head, cache.head if cache else None)
+    head_stats = tuple(tap.router_stats for tap in taps)
 
     groups: tuple = ()
+    group_stats: tuple = ()
     if model.group_layers is not None:
         def group_step(carry, xs):
             group, group_cache, g = xs
-            new_caches, group_taps = [], []
+            new_caches, group_taps, group_stats = [], [], []
             for j, layer in enumerate(group):
                 index = plan.start + g * plan.period + j
-                carry, new_cache, tap = layer(carry, index, group_cache[j] if cache else None, position, start)
+                carry, new_cache, tap = layer(
+                    carry, index, group_cache[j] if cache else None, position, start, **layer_kwargs
+                )
                 new_caches.append(new_cache)
                 group_taps.append(tap if collect_taps else None)
-            return carry, (tuple(new_caches) if cache else None, tuple(group_taps))
+                group_stats.append(tap.router_stats)
+            return carry, (tuple(new_caches) if cache else None, tuple(group_taps), tuple(group_stats))
 
         xs = (model.group_layers, cache.groups if cache else None, jnp.arange(plan.num_groups))
-        stream, (groups, stacked_taps) = jax.lax.scan(group_step, stream, xs)
+        stream, (groups, stacked_taps, group_stats) = jax.lax.scan(group_step, stream, xs)
         if collect_taps:
             for g in range(plan.num_groups):
                 taps.extend(jax.tree.map(lambda a: a[g], tap) for tap in stacked_taps)
         groups = groups or ()
 
+    n_before_tail = len(taps)
     tail = run_unrolled(model.tail_layers, plan.tail, cache.tail if cache else None)
+    stats = None
+    if collect_router_stats:
+        stats = (head_stats, group_stats, tuple(tap.router_stats for tap in taps[n_before_tail:]))
 
     final_mix = attn_res_mix(
         stream, model.output_attn_res_proj.weight[...][0], model.output_attn_res_norm.weight[...], cfg.rms_norm_eps
     )
     hidden = model.norm(final_mix)
-    logits = linear(hidden[:, -1:] if last_logits_only else hidden, model.lm_head.weight[...]).astype(F32)
-    out = ForwardOutput(logits, hidden, final_mix, tuple(taps) if collect_taps else None)
+    logits = None
+    if compute_logits:
+        logits = linear(hidden[:, -1:] if last_logits_only else hidden, model.lm_head.weight[...]).astype(F32)
+    out = ForwardOutput(logits, hidden, final_mix, tuple(taps) if collect_taps else None, stats)
     new_cache = ModelCache(head, groups, tail, position + input_ids.shape[1], start) if cache is not None else None
     return out, new_cache
 

@@ -2,19 +2,17 @@
 
 Kimi's release ships `tiktoken.model` (one "<base64 token bytes> <rank>" line per BPE token, rank =
 id) and `tokenizer_config.json` (special tokens in `added_tokens_decoder`, the `bos_token` /
-`eos_token` / `pad_token` names, and a Jinja `chat_template`, or a `chat_template.jinja` file
-beside it). As in Moonshot's `tokenization_kimi.py`: ids past the BPE ranks are 256 reserved
+`eos_token` / `pad_token` names). As in Moonshot's `tokenization_kimi.py`: ids past the BPE ranks are 256 reserved
 special tokens, named from `added_tokens_decoder` or `<|reserved_token_{id}|>`, and text is split
 by Kimi's pre-tokenizer regex (Han runs kept apart) before BPE. Files are read locally, never
 fetched, and nothing is unpickled; a malformed file is an error naming the file and the field or rank.
 
 User text never produces control tokens: `encode` reads special-token strings as ordinary text unless
-told `allow_special=True` (trusted text only), and `apply_chat_template` gives control tokens only to
-the template's own structure, never to a message's contents.
+told `allow_special=True` (trusted text only). K3 has no Jinja chat template: chats are encoded by
+`k3jax.chat.encode_messages`, which emits control tokens by id and encodes all text this way.
 
     tok = load_tokenizer("path/to/Kimi-K3")          # TiktokenTokenizer, or ByteTokenizer without tiktoken.model
-    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
-    ids = tok.encode("user text")                     # "<|im_end|>" in it stays text
+    ids = tok.encode("user text")                     # "<|end_of_msg|>" in it stays text
     text = tok.decode(new_ids)
 
 The fallback `ByteTokenizer` maps text to its UTF-8 bytes, byte value = id (0..255), and back
@@ -28,12 +26,10 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import tiktoken
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Moonshot's pre-tokenizer split (tokenization_kimi.py), in tiktoken's regex dialect.
 KIMI_PAT_STR = "|".join([
@@ -121,89 +117,10 @@ def _token_name(value: object, field: str, path: Path) -> str | None:
     return content
 
 
-def _chat_template(config: dict, path: Path) -> str | None:
-    """tokenizer_config's `chat_template`: a string, or HF's [{"name": ..., "template": ...}] form."""
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        if not all(isinstance(t, Mapping) and isinstance(t.get("template"), str) for t in template):
-            raise ValueError(f"{path}: chat_template: expected a list of {{\"name\", \"template\": <string>}}")
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    if template is not None and not isinstance(template, str):
-        raise ValueError(f"{path}: chat_template: expected a string or a list, got {type(template).__name__}")
-    return template
+class _TokenizerBase:
+    """What both tokenizers share: checking ids before decoding them."""
 
-
-def _strings(value: object) -> Iterable[str]:
-    """Every string inside nested mappings / lists (the caller's data handed to a chat template)."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, (Mapping, list, tuple)):
-        for item in value.values() if isinstance(value, Mapping) else value:
-            yield from _strings(item)
-
-
-def _mask_specials(value: object, pattern: re.Pattern, mark: str, literals: list[str]) -> object:
-    """`value` with each special-token string inside its strings replaced by `mark`<index>`mark`, the
-    text kept in `literals`, so a template cannot turn a message's text into a control token."""
-    if isinstance(value, str):
-        def masked(match: re.Match) -> str:
-            literals.append(match.group())
-            return f"{mark}{len(literals) - 1}{mark}"
-        return pattern.sub(masked, value)
-    if isinstance(value, Mapping):
-        return {key: _mask_specials(item, pattern, mark, literals) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_mask_specials(item, pattern, mark, literals) for item in value]
-    return value
-
-
-class _ChatTemplateMixin:
-    chat_template: str | None
-    special_token_names: dict[str, str | None]
     special_tokens: dict[str, int]
-
-    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def render_chat(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True, **kwargs) -> str:
-        """The chat template applied to messages (HF conventions: trim_blocks, lstrip_blocks, sandboxed)."""
-        if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
-
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-        variables = {**self.special_token_names, **kwargs}
-        return env.from_string(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
-        )
-
-    def apply_chat_template(
-        self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True, **kwargs
-    ) -> list[int]:
-        """Render the chat and encode it. Special-token strings the template writes are control tokens;
-        the same strings inside the messages (or other template variables) are encoded as plain text."""
-        if "allow_special" in kwargs:
-            raise TypeError("apply_chat_template has no allow_special: message contents are always plain text")
-        if not self.special_tokens:
-            return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs))
-        pattern = re.compile("|".join(re.escape(s) for s in sorted(self.special_tokens, key=len, reverse=True)))
-        data = [messages, kwargs, self.chat_template]
-        # A printable symbol (repr and tojson keep it) that none of the caller's strings contains.
-        mark = next((chr(c) for c in range(0x1F700, 0x1F774) if not any(chr(c) in s for s in _strings(data))), None)
-        if mark is None:
-            raise ValueError("the messages use every alchemical symbol (U+1F700..U+1F773); one must be free")
-        literals: list[str] = []
-        masked_messages = _mask_specials(list(messages), pattern, mark, literals)
-        masked_kwargs = _mask_specials(kwargs, pattern, mark, literals)
-        text = self.render_chat(masked_messages, add_generation_prompt=add_generation_prompt, **masked_kwargs)
-        ids: list[int] = []
-        for k, part in enumerate(re.split(f"{mark}(\\d+){mark}", text)):
-            ids.extend(self.encode(part, allow_special=True) if k % 2 == 0 else self.encode(literals[int(part)]))
-        return ids
 
     def _check_ids(self, ids: Iterable[int]) -> list[int]:
         """ids as ints, each one this tokenizer can decode (else a ValueError naming the id)."""
@@ -214,23 +131,20 @@ class _ChatTemplateMixin:
         return ids
 
 
-class TiktokenTokenizer(_ChatTemplateMixin):
+class TiktokenTokenizer(_TokenizerBase):
     """Kimi's tokenizer: tiktoken BPE over `ranks` plus named special tokens."""
 
     def __init__(
         self, ranks: Mapping[bytes, int], special_tokens: Mapping[str, int], *, pat_str: str = KIMI_PAT_STR,
         bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None,
-        unk_token: str | None = None, chat_template: str | None = None, name: str = "kimi",
+        unk_token: str | None = None, name: str = "kimi",
     ) -> None:
         self.encoding = tiktoken.Encoding(
             name=name, pat_str=pat_str, mergeable_ranks=dict(ranks), special_tokens=dict(special_tokens)
         )
         self.num_base_tokens = len(ranks)
         self.special_tokens = dict(special_tokens)
-        self.chat_template = chat_template
-        self.special_token_names = {
-            "bos_token": bos_token, "eos_token": eos_token, "pad_token": pad_token, "unk_token": unk_token,
-        }
+        self.unk_token = unk_token
         self._special_ids = set(self.special_tokens.values())
         self.bos_id, self.eos_id, self.pad_id = (self.special_tokens.get(t) for t in (bos_token, eos_token, pad_token))
 
@@ -252,12 +166,9 @@ class TiktokenTokenizer(_ChatTemplateMixin):
         n = len(ranks)
         special = {added.get(i) or f"<|reserved_token_{i}|>": i for i in range(n, n + NUM_RESERVED_SPECIAL_TOKENS)}
         special.update({name: i for i, name in added.items() if i >= n and name})  # any beyond the reserved block
-        template = _chat_template(config, config_path)
-        if template is None and (path / "chat_template.jinja").exists():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
         names = {key: _token_name(config.get(key), key, config_path)
                  for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        return cls(ranks, special, chat_template=template, name=path.name or "kimi", **names)
+        return cls(ranks, special, name=path.name or "kimi", **names)
 
     @property
     def vocab_size(self) -> int:
@@ -308,14 +219,13 @@ def _split_long(text: str) -> list[str]:
     return pieces
 
 
-class ByteTokenizer(_ChatTemplateMixin):
+class ByteTokenizer(_TokenizerBase):
     """Byte-level fallback: UTF-8 byte b <-> id b (0..255); ids >= 256 are special tokens (ids below
     `vocab_size` that have no name decode to nothing)."""
 
     def __init__(
         self, *, bos_id: int | None = None, eos_id: int | None = None, pad_id: int | None = None,
-        special_tokens: Mapping[str, int] | None = None, chat_template: str | None = None,
-        vocab_size: int | None = None,
+        special_tokens: Mapping[str, int] | None = None, vocab_size: int | None = None,
     ) -> None:
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.special_tokens = dict(special_tokens or {})
@@ -324,11 +234,6 @@ class ByteTokenizer(_ChatTemplateMixin):
         self._names = {i: name for name, i in self.special_tokens.items()}
         self._vocab_size = max([255, (vocab_size or 0) - 1, *(i for i in (bos_id, eos_id, pad_id) if i is not None),
                                 *self.special_tokens.values()]) + 1
-        self.chat_template = chat_template
-        self.special_token_names = {
-            "bos_token": self._names.get(bos_id), "eos_token": self._names.get(eos_id),
-            "pad_token": self._names.get(pad_id), "unk_token": None,
-        }
         self._special_re = (
             re.compile("|".join(re.escape(s) for s in sorted(self.special_tokens, key=len, reverse=True)))
             if self.special_tokens else None

@@ -22,7 +22,7 @@ from k3jax.nn.attn_res import AttnResStream, attn_res_mix
 from k3jax.nn.kda import KDACache, KimiDeltaAttention
 from k3jax.nn.layers import Linear, RMSNorm
 from k3jax.nn.mla import GatedMLA, MLACache
-from k3jax.nn.moe import LatentMoE
+from k3jax.nn.moe import LatentMoE, RouterStats
 from k3jax.nn.situ import SiTUMLP
 
 LayerCache = KDACache | MLACache
@@ -36,6 +36,7 @@ class LayerTaps(NamedTuple):
     mlp_in: jax.Array
     mlp_out: jax.Array
     router_ids: jax.Array | None
+    router_stats: RouterStats | None = None  # MoE layers, when asked for (training's balancing)
 
 
 class DecoderLayer(nnx.Module):
@@ -63,31 +64,56 @@ class DecoderLayer(nnx.Module):
         self.mixer_kind, self.ffn_kind = mixer, ffn
         self.kernels = kernels
         self.block_size, self.eps = cfg.attn_res_block_size, eps
+        # Static: a `jax.checkpoint_policies` name under which cache-free passes rematerialise this
+        # layer in the backward pass (set by training), or None.
+        self.remat_policy: str | None = None
 
     def __call__(
         self, stream: AttnResStream, layer_index: jax.Array | int, cache: LayerCache | None = None,
-        position: jax.Array | int = 0, start: jax.Array | None = None,
+        position: jax.Array | int = 0, start: jax.Array | None = None, segments: jax.Array | None = None,
+        stats_valid: jax.Array | None = None, collect_router_stats: bool = False,
     ) -> tuple[AttnResStream, LayerCache | None, LayerTaps]:
-        """`start` int32 [B]: first real position of each row (left padding before it), or None."""
+        """`forward`, under `jax.checkpoint` with `remat_policy` when one is set and there is no cache."""
+        if self.remat_policy is None or cache is not None:
+            return self.forward(stream, layer_index, cache, position, start, segments, stats_valid, collect_router_stats)
+
+        def body(layer, stream, layer_index, position, start, segments, stats_valid):
+            return layer.forward(stream, layer_index, None, position, start, segments, stats_valid, collect_router_stats)
+
+        policy = getattr(jax.checkpoint_policies, self.remat_policy)
+        return jax.checkpoint(body, policy=policy)(self, stream, layer_index, position, start, segments, stats_valid)
+
+    def forward(
+        self, stream: AttnResStream, layer_index: jax.Array | int, cache: LayerCache | None = None,
+        position: jax.Array | int = 0, start: jax.Array | None = None, segments: jax.Array | None = None,
+        stats_valid: jax.Array | None = None, collect_router_stats: bool = False,
+    ) -> tuple[AttnResStream, LayerCache | None, LayerTaps]:
+        """`start` int32 [B]: first real position of each row (left padding before it), or None.
+        `segments` int32 [B, T]: packed documents (cache-free passes), kept apart by the mixers.
+        `collect_router_stats`: MoE layers add their `RouterStats` over the tokens `stats_valid`
+        (bool [B, T], None: all) to the taps."""
         attn_in = self._mix(stream, self.self_attention_res_proj, self.self_attention_res_norm)
         stream = stream.push_block_if(layer_index % self.block_size == 0)
 
         mixer_in = self.input_layernorm(attn_in)
         if self.mixer_kind == "kda":
             valid = None if start is None else position + jnp.arange(mixer_in.shape[1]) >= start[:, None]
-            attn_out, cache = self.self_attn(mixer_in, cache, valid)
+            attn_out, cache = self.self_attn(mixer_in, cache, valid, segments)
         else:
-            attn_out, cache = self.self_attn(mixer_in, cache, position, start)
+            attn_out, cache = self.self_attn(mixer_in, cache, position, start, segments)
         stream = stream.add(attn_out)
 
         mlp_in = self._mix(stream, self.mlp_res_proj, self.mlp_res_norm)
         ffn_in = self.post_attention_layernorm(mlp_in)
+        stats = None
         if self.ffn_kind == "dense":
             mlp_out, router_ids = self.mlp(ffn_in), None
         else:
             mlp_out, router_ids = self.block_sparse_moe(ffn_in)
+            if collect_router_stats:
+                stats = self.block_sparse_moe.router_stats(ffn_in, stats_valid)
         stream = stream.add(mlp_out)
-        return stream, cache, LayerTaps(attn_in, attn_out, mlp_in, mlp_out, router_ids)
+        return stream, cache, LayerTaps(attn_in, attn_out, mlp_in, mlp_out, router_ids, stats)
 
     def _mix(self, stream: AttnResStream, proj: Linear, norm: RMSNorm) -> jax.Array:
         return attn_res_mix(stream, proj.weight[...][0], norm.weight[...], self.eps)

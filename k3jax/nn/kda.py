@@ -47,16 +47,24 @@ class ShortConv(nnx.Module):
         self.weight = declare(rngs, (channels, 1, kernel), F32, ("kda_proj", None, None), normal_init(0.5))
 
 
-def causal_conv_silu(x: jax.Array, weight: jax.Array, left: jax.Array) -> tuple[jax.Array, jax.Array]:
+def causal_conv_silu(
+    x: jax.Array, weight: jax.Array, left: jax.Array, segments: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """y[t] = silu(sum_j w[:, j] * x[t - W + 1 + j]) in fp32, with `left` the W-1 inputs before x.
 
+    `segments` int32 [B, T] (packed documents): the window of token t sees only inputs with t's
+    segment id (a document's first tokens see zeros, as when it runs alone).
     Returns the activation-dtype output and the new left context (last W-1 raw inputs).
     """
     width = weight.shape[-1]
     seq = x.shape[1]
     full = jnp.concatenate([left.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
     w = weight[:, 0, :].astype(F32)  # [C, W]
-    y = sum(full[:, j : j + seq].astype(F32) * w[:, j] for j in range(width))
+    taps = [full[:, j : j + seq].astype(F32) * w[:, j] for j in range(width)]
+    if segments is not None:
+        seg_full = jnp.pad(segments, ((0, 0), (width - 1, 0)), mode="edge")
+        taps = [jnp.where((seg_full[:, j : j + seq] == segments)[..., None], tap, 0.0) for j, tap in enumerate(taps)]
+    y = sum(taps)
     return jax.nn.silu(y).astype(x.dtype), full[:, seq:]
 
 
@@ -92,9 +100,13 @@ class KimiDeltaAttention(nnx.Module):
         self.kernels = kernels  # static: which KDA implementations prefill and decode run
 
     def __call__(
-        self, x: jax.Array, cache: KDACache | None = None, valid: jax.Array | None = None
+        self, x: jax.Array, cache: KDACache | None = None, valid: jax.Array | None = None,
+        segments: jax.Array | None = None,
     ) -> tuple[jax.Array, KDACache | None]:
         """x [B, T, D] (already input-normalised). With a cache, continues from it (T == 1: decode step).
+
+        `segments` int32 [B, T] (packed documents, no cache): the state and the conv window reset
+        wherever the id changes along a row, so each document computes what it would alone.
 
         `valid` bool [B, T] (False at left padding): pad steps are identities. Raw q/k/v are zeroed, so
         the conv windows of the first real tokens see zeros as in an unpadded run; the gate and beta
@@ -110,7 +122,9 @@ class KimiDeltaAttention(nnx.Module):
             [self.q_conv1d.weight[...], self.k_conv1d.weight[...], self.v_conv1d.weight[...]], axis=0
         )
         left = cache.conv if cache is not None else jnp.zeros((batch, conv_weight.shape[-1] - 1, raw.shape[-1]), x.dtype)
-        qkv, conv_tail = causal_conv_silu(raw, conv_weight, left)
+        if segments is not None and cache is not None:
+            raise ValueError("segments (packed documents) are for cache-free passes; got a cache too")
+        qkv, conv_tail = causal_conv_silu(raw, conv_weight, left, segments)
         q, key, v = (t.reshape(batch, seq, h, k) for t in jnp.split(qkv, 3, axis=-1))
         g_raw, beta_logits = self.gate_inputs(x)
         if valid is not None:
@@ -127,7 +141,8 @@ class KimiDeltaAttention(nnx.Module):
             initial = cache.state if cache is not None else None
             o, state = chunk_kda_fused(
                 q, key, v, g_raw, beta_logits, A_log, dt_bias, lower_bound=self.lower_bound,
-                initial_state=initial, output_final_state=cache is not None, implementation=self.kernels.kda,
+                initial_state=initial, output_final_state=cache is not None, segment_ids=segments,
+                implementation=self.kernels.kda,
             )
 
         gate = self.g_proj(x).reshape(batch, seq, h, k)

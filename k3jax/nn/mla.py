@@ -66,13 +66,17 @@ class GatedMLA(nnx.Module):
 
     def __call__(
         self, x: jax.Array, cache: MLACache | None = None, position: jax.Array | int = 0,
-        start: jax.Array | None = None,
+        start: jax.Array | None = None, segments: jax.Array | None = None,
     ) -> tuple[jax.Array, MLACache | None]:
         """x [B, T, D]. With a cache, the T new tokens sit at positions [position, position + T).
 
         `start` int32 [B]: keys before start[b] are left padding and hidden from row b (a pad query
-        still sees itself, so no softmax row is empty).
+        still sees itself, so no softmax row is empty). `segments` int32 [B, T] (packed documents,
+        no cache): a query sees only keys with its segment id (K3 has no positional encoding, so a
+        document needs no position reset).
         """
+        if segments is not None and cache is not None:
+            raise ValueError("segments (packed documents) are for cache-free passes; got a cache too")
         batch, seq, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).reshape(batch, seq, self.num_heads, -1)
         ckv = self.kv_a_proj_with_mqa(x)
@@ -87,13 +91,14 @@ class GatedMLA(nnx.Module):
         if cache is not None and seq == 1:
             o = self._attend_absorbed(q, latents, _attention_mask(query_pos, key_pos, start))
         else:
-            o = self._attend_expanded(q, latents, query_pos, key_pos, start)
+            o = self._attend_expanded(q, latents, query_pos, key_pos, start, segments)
         o = o.reshape(batch, seq, self.num_heads * self.v_dim)
         o = o * jax.nn.sigmoid(self.g_proj(x))
         return self.o_proj(o), (MLACache(latents) if cache is not None else None)
 
     def _attend_expanded(
-        self, q: jax.Array, latents: jax.Array, query_pos: jax.Array, key_pos: jax.Array, start: jax.Array | None
+        self, q: jax.Array, latents: jax.Array, query_pos: jax.Array, key_pos: jax.Array, start: jax.Array | None,
+        segments: jax.Array | None = None,
     ) -> jax.Array:
         """Per-head keys/values re-expanded from the latents with kv_b_proj (prefill).
 
@@ -106,21 +111,27 @@ class GatedMLA(nnx.Module):
         k_pe = jnp.broadcast_to(latents[:, :, None, self.kv_lora_rank :].astype(q.dtype), (*k_nope.shape[:3], q.shape[-1] - self.nope_dim))
         k = jnp.concatenate([k_nope, k_pe], axis=-1)
 
-        def attend(q_rows: jax.Array, rows_pos: jax.Array) -> jax.Array:
+        def attend(q_rows: jax.Array, rows_pos: jax.Array, rows_seg: jax.Array | None = None) -> jax.Array:
             scores = jnp.einsum("bthd,bshd->bhts", q_rows, k, preferred_element_type=F32,
                                 precision=exact_if_fp32(q.dtype)) * self.scale
             mask = _attention_mask(rows_pos, key_pos, start)
+            if rows_seg is not None:
+                mask = mask & (rows_seg[:, None, :, None] == segments[:, None, None, :])
             probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(q.dtype)
             return jnp.einsum("bhts,bshd->bthd", probs, v, preferred_element_type=F32,
                               precision=exact_if_fp32(q.dtype)).astype(q.dtype)
 
         seq, chunk = q.shape[1], self.query_chunk
         if seq <= chunk:
-            return attend(q, query_pos)
+            return attend(q, query_pos, segments)
         pad = -seq % chunk
         q_chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(batch, -1, chunk, *q.shape[2:])
         pos_chunks = jnp.pad(query_pos, (0, pad), mode="edge").reshape(-1, chunk)
-        out = jax.lax.map(lambda args: attend(*args), (jnp.moveaxis(q_chunks, 1, 0), pos_chunks))
+        xs = (jnp.moveaxis(q_chunks, 1, 0), pos_chunks)
+        if segments is not None:
+            seg_chunks = jnp.pad(segments, ((0, 0), (0, pad)), mode="edge").reshape(batch, -1, chunk)
+            xs = (*xs, jnp.moveaxis(seg_chunks, 1, 0))
+        out = jax.lax.map(lambda args: attend(*args), xs)
         return jnp.moveaxis(out, 0, 1).reshape(batch, seq + pad, *out.shape[3:])[:, :seq]
 
     def _attend_absorbed(self, q: jax.Array, latents: jax.Array, mask: jax.Array) -> jax.Array:

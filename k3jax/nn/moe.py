@@ -18,6 +18,8 @@ on one device and, when `sharding` gives the layer an expert mesh, expert-parall
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -45,10 +47,51 @@ def route_topk(
     return weights * scaling, ids.astype(jnp.int32)
 
 
+BALANCE_BINS = 1000  # Quantile Balancing histogram bins per expert (k3-architecture.md §5.3)
+
+
+class RouterBias(nnx.Variable):
+    """The routing bias `e_score_correction_bias`: state, not a parameter. It changes which experts are
+    chosen, never the mixing weights, so it has no useful gradient; training updates it outside the
+    gradient (Quantile Balancing) and no optimizer over `nnx.Param` ever sees it."""
+
+
+class RouterStats(NamedTuple):
+    """One MoE layer's routing statistics over the valid tokens of a batch (training, no gradient).
+
+    histogram int32 [E, BALANCE_BINS]: counts of r_ij = alpha_i - s_ij (alpha_i the (k+1)-th largest
+    biased score of token i) in uniform bins over [min(bias) - 1, max(bias) + 1]; load int32 [E]:
+    tokens routed to each expert."""
+
+    histogram: jax.Array
+    load: jax.Array
+
+
+def router_stats(x: jax.Array, gate_weight: jax.Array, bias: jax.Array, top_k: int, valid: jax.Array | None) -> RouterStats:
+    """Quantile-Balancing histogram and expert loads of x [N, D] under the current `bias` (fp32);
+    `valid` bool [N] excludes padding tokens."""
+    x, gate_weight, bias = (jax.lax.stop_gradient(a) for a in (x, gate_weight, bias))
+    num_experts = gate_weight.shape[0]
+    scores = jax.nn.sigmoid(jnp.einsum("nd,ed->ne", x.astype(F32), gate_weight.astype(F32), precision=HIGHEST))
+    biased = scores + bias.astype(F32)
+    top, ids = jax.lax.top_k(biased, top_k + 1)
+    alpha = top[:, top_k]  # the token's cutoff: an expert must beat it to be chosen
+    low = jnp.min(bias) - 1.0
+    width = (jnp.max(bias) - jnp.min(bias) + 2.0) / BALANCE_BINS
+    bins = jnp.clip(jnp.floor((alpha[:, None] - scores - low) / width), 0, BALANCE_BINS - 1).astype(jnp.int32)
+    weight = jnp.ones(x.shape[0], jnp.int32) if valid is None else valid.astype(jnp.int32)
+    flat = (jnp.arange(num_experts, dtype=jnp.int32) * BALANCE_BINS + bins).reshape(-1)
+    histogram = jnp.zeros(num_experts * BALANCE_BINS, jnp.int32).at[flat].add(jnp.repeat(weight, num_experts))
+    load = jnp.zeros(num_experts, jnp.int32).at[ids[:, :top_k].reshape(-1)].add(jnp.repeat(weight, top_k))
+    return RouterStats(histogram.reshape(num_experts, BALANCE_BINS), load)
+
+
 class RouterGate(nnx.Module):
     def __init__(self, hidden: int, num_experts: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         self.weight = declare(rngs, (num_experts, hidden), dtype, ("exp", "embed"), normal_init(hidden**-0.5))
-        self.e_score_correction_bias = declare(rngs, (num_experts,), F32, ("exp",), normal_init(0.1))
+        self.e_score_correction_bias = RouterBias(
+            normal_init(0.1)(rngs.params(), (num_experts,), F32), logical_axes=("exp",)
+        )
 
 
 class RoutedExperts(nnx.Module):
@@ -158,3 +201,9 @@ class LatentMoE(nnx.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.reshape(x.shape), ids.reshape(*x.shape[:-1], -1)
+
+    def router_stats(self, x: jax.Array, valid: jax.Array | None = None) -> RouterStats:
+        """`router_stats` of x [B, T, D] (the layer's input) under this layer's bias; `valid` bool [B, T]."""
+        flat = x.reshape(-1, x.shape[-1])
+        return router_stats(flat, self.gate.weight[...], self.gate.e_score_correction_bias[...], self.top_k,
+                            None if valid is None else valid.reshape(-1))

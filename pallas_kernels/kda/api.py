@@ -36,7 +36,7 @@ def _expect_state(name: str, x: jax.Array, expected: tuple[int, ...], layout: st
         raise ValueError(f"{name}: expected dtype float32 (states are kept in fp32), got {x.dtype}")
 
 
-def _check_chunk_inputs(q, k, v, g, beta, initial_state, cu_seqlens, names) -> None:
+def _check_chunk_inputs(q, k, v, g, beta, initial_state, cu_seqlens, names, segment_ids=None) -> None:
     """Shapes of the chunk ops' inputs (``names``: how this entry calls q, k, g, beta)."""
     nq, nk, ng, nb = names
     _expect_rank(nq, q, 4, "[B, T, H, K]")
@@ -48,6 +48,12 @@ def _check_chunk_inputs(q, k, v, g, beta, initial_state, cu_seqlens, names) -> N
     _expect_shape(ng, g, (B, T, H, K), f"[B, T, H, K] like {nq}")
     _expect_shape(nb, beta, (B, T, H), "[B, T, H]")
     n_states = B
+    if segment_ids is not None:
+        _expect_shape("segment_ids", segment_ids, (B, T), f"[B, T] matching {nq}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids: expected an integer array, got {segment_ids.dtype}")
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens and segment_ids: give one way of packing sequences, not both")
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"cu_seqlens: packed sequences need B == 1, got {nq} shape {q.shape}")
@@ -58,11 +64,13 @@ def _check_chunk_inputs(q, k, v, g, beta, initial_state, cu_seqlens, names) -> N
 
 
 def _run_chunk(q, k, v, g, beta, gate, *, scale, initial_state, output_final_state, cu_seqlens,
-               lower_bound, implementation, op):
+               lower_bound, implementation, op, segment_ids=None):
     K, V = q.shape[3], v.shape[3]
-    impl = choose(op, CHUNK_IMPLEMENTATIONS, implementation, lower_bound=lower_bound, K=K, V=V)
+    impl = choose(op, CHUNK_IMPLEMENTATIONS, implementation, lower_bound=lower_bound, K=K, V=V,
+                  segmented=segment_ids is not None)
+    extra = {} if segment_ids is None else {"segment_ids": segment_ids}
     o, state = impl.run(q, k, v, g, beta, gate, scale=K**-0.5 if scale is None else scale,
-                        initial_state=initial_state, cu_seqlens=cu_seqlens)
+                        initial_state=initial_state, cu_seqlens=cu_seqlens, **extra)
     return o, (state if output_final_state else None)
 
 
@@ -112,6 +120,7 @@ def chunk_kda_fused(
     initial_state: jax.Array | None = None,
     output_final_state: bool = False,
     cu_seqlens: object | None = None,
+    segment_ids: jax.Array | None = None,
     implementation: str | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Chunked KDA on K3's raw inputs, activations included (``reference.activate``): q, k
@@ -124,9 +133,14 @@ def chunk_kda_fused(
     identity (g = beta = 0 exactly, zero gradients), how a caller writes padding. Gradients for
     every input, A_log and dt_bias included. "pallas_gpu" runs the activations inside its forward
     kernel and recomputes them in XLA for its backward.
+
+    ``segment_ids`` int [B, T] (may be traced; packed documents in a row): the state resets
+    wherever the id changes along a row, so each contiguous stretch of equal ids runs as if alone.
+    Only "xla" runs it (the policy picks it); the final state is each row's last stretch's.
     """
     names = ("q_raw", "k_raw", "g_raw", "beta_logits")
-    _check_chunk_inputs(q_raw, k_raw, v, g_raw, beta_logits, initial_state, cu_seqlens, names)
+    _check_chunk_inputs(q_raw, k_raw, v, g_raw, beta_logits, initial_state, cu_seqlens, names,
+                        segment_ids)
     H, K = q_raw.shape[2], q_raw.shape[3]
     _expect_rank("A_log", A_log, 1, f"[H] (or zero-padded [>= H]), H = {H}")
     if A_log.shape[0] < H:
@@ -138,7 +152,7 @@ def chunk_kda_fused(
                       scale=scale, initial_state=initial_state,
                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                       lower_bound=float(lower_bound), implementation=implementation,
-                      op="chunk_kda_fused")
+                      op="chunk_kda_fused", segment_ids=segment_ids)
 
 
 def kda_decode(

@@ -130,12 +130,13 @@ def _prepared(q, v, initial_state, cu_seqlens) -> tuple[jax.Array, Offsets]:
     return initial_state, offsets
 
 
-def run_xla(q, k, v, g, beta, gate: Gate | None, *, scale, initial_state, cu_seqlens):
+def run_xla(q, k, v, g, beta, gate: Gate | None, *, scale, initial_state, cu_seqlens,
+            segment_ids=None):
     if gate is not None:
         q, k, g, beta = activate(q, k, g, beta, gate.A_log, gate.dt_bias,
                                  lower_bound=gate.lower_bound)
     return chunked_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                       cu_seqlens=cu_seqlens)
+                       cu_seqlens=cu_seqlens, segment_ids=segment_ids)
 
 
 def run_pallas_gpu(q, k, v, g, beta, gate: Gate | None, *, scale, initial_state, cu_seqlens):

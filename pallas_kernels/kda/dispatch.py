@@ -32,6 +32,11 @@ def safe_gate(*, lower_bound: float | None, **_: object) -> str | None:
     return None
 
 
+def unsegmented(*, segmented: bool = False, **_: object) -> str | None:
+    """Traced segment ids (packed documents resetting the state) are run by "xla" only."""
+    return "segment_ids (state resets inside a row) are run by 'xla' only" if segmented else None
+
+
 def triton_widths(*, K: int, V: int, **_: object) -> str | None:
     """On GPU the Triton kernels need K and V powers of two >= 16 (interpret mode takes any)."""
     if current_platform() == "gpu" and not triton_takes(K, V):
@@ -39,8 +44,15 @@ def triton_widths(*, K: int, V: int, **_: object) -> str | None:
     return None
 
 
-def chunk_pallas_gpu_supports(*, lower_bound: float | None, K: int, V: int) -> str | None:
-    return safe_gate(lower_bound=lower_bound) or triton_widths(K=K, V=V)
+def chunk_pallas_gpu_supports(*, lower_bound: float | None, K: int, V: int,
+                              segmented: bool = False) -> str | None:
+    return (safe_gate(lower_bound=lower_bound) or triton_widths(K=K, V=V)
+            or unsegmented(segmented=segmented))
+
+
+def chunk_mosaic_tpu_supports(*, lower_bound: float | None, segmented: bool = False,
+                              **_: object) -> str | None:
+    return safe_gate(lower_bound=lower_bound) or unsegmented(segmented=segmented)
 
 
 CHUNK_IMPLEMENTATIONS: dict[str, Implementation] = {
@@ -48,7 +60,7 @@ CHUNK_IMPLEMENTATIONS: dict[str, Implementation] = {
                                  default_on=frozenset({"gpu"}),
                                  supports=chunk_pallas_gpu_supports),
     "mosaic_tpu": Implementation("mosaic_tpu", run_mosaic_tpu, frozenset({"tpu", "cpu"}),
-                                 supports=safe_gate),
+                                 supports=chunk_mosaic_tpu_supports),
     "xla": Implementation("xla", run_xla, _ALL, default_on=_ALL),
 }
 

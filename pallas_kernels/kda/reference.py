@@ -141,15 +141,29 @@ def _chunk_step(
     v: jax.Array,
     g: jax.Array,
     beta: jax.Array,
+    runs: jax.Array | None = None,
+    run_in: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Advance the state over one chunk (kda.md section 2.1).
 
     state [B, H, K, V]; qs (scaled q), k, g [B, H, C, K]; v [B, H, C, V]; beta [B, H, C, 1].
+    ``runs`` int32 [B, C] (optional): the run (packed document) of each token, ``run_in`` [B] the
+    run the incoming state belongs to. Tokens interact only within their run (the in-chunk
+    matrices are masked to per-run blocks, so ``(I + L)^{-1}`` stays block-diagonal), only tokens of
+    ``run_in`` read the incoming state, and the outgoing state holds the chunk's last run only.
     """
     C, V = v.shape[-2:]
     G = jnp.cumsum(g, axis=-2)  # in-chunk cumulative log-decay, non-increasing
     causal = jnp.tril(jnp.ones((C, C), bool))  # r >= i
     strict = jnp.tril(jnp.ones((C, C), bool), -1)  # r > i
+    reads_state = keeps_state = 1.0
+    last_run = 1.0
+    if runs is not None:
+        same = (runs[:, :, None] == runs[:, None, :])[:, None]  # [B, 1, C, C]
+        causal, strict = causal & same, strict & same
+        reads_state = (runs == run_in[:, None])[:, None, :, None].astype(_F32)  # [B, 1, C, 1]
+        keeps_state = (runs[:, -1] == run_in)[:, None, None, None].astype(_F32)  # [B, 1, 1, 1]
+        last_run = (runs == runs[:, -1:])[:, None, :, None].astype(_F32)
     # Mask before exp: the upper triangle has G_r - G_i > 0 and would overflow (inf * 0 = NaN).
     D = G[..., :, None, :] - G[..., None, :, :]  # [B, H, C, C, K]
     E = jnp.exp(jnp.where(causal[..., None], D, -jnp.inf))
@@ -163,11 +177,11 @@ def _chunk_step(
     U, W = UW[..., :V], UW[..., V:]
 
     mm = functools.partial(jnp.einsum, precision=_HI)
-    v_new = U - mm("...ck,...kv->...cv", W, state)  # pseudo-values [B, H, C, V]
-    o = mm("...ck,...kv->...cv", qs * jnp.exp(G), state) + mm("...ci,...iv->...cv", Aqk, v_new)
+    v_new = U - reads_state * mm("...ck,...kv->...cv", W, state)  # pseudo-values [B, H, C, V]
+    o = reads_state * mm("...ck,...kv->...cv", qs * jnp.exp(G), state) + mm("...ci,...iv->...cv", Aqk, v_new)
     G_last = G[..., -1:, :]  # [B, H, 1, K]
-    k_decayed = k * jnp.exp(G_last - G)  # decay to chunk end; exponent <= 0
-    state = jnp.exp(G_last[..., 0, :])[..., None] * state
+    k_decayed = last_run * k * jnp.exp(G_last - G)  # decay to chunk end; exponent <= 0
+    state = keeps_state * jnp.exp(G_last[..., 0, :])[..., None] * state
     state = state + mm("...ck,...cv->...kv", k_decayed, v_new)
     return state, o
 
@@ -182,6 +196,7 @@ def _chunked_batched(
     scale: float,
     initial_state: jax.Array,
     chunk_size: int,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     B, T, H, _ = q.shape
     C = chunk_size
@@ -195,10 +210,31 @@ def _chunked_batched(
     xs = tuple(map(to_chunks, (q.astype(_F32) * scale, k, v, g, beta[..., None])))
     # Rematerialise each chunk in the backward pass so only the per-chunk input state is
     # kept, not the [B, H, C, C, K] pairwise-decay tensor of every chunk.
-    step = jax.checkpoint(lambda s, x: _chunk_step(s, *x))
-    state, o = lax.scan(step, initial_state.astype(_F32), xs)  # o [N, B, H, C, V]
+    if segment_ids is None:
+        step = jax.checkpoint(lambda s, x: _chunk_step(s, *x))
+        state, o = lax.scan(step, initial_state.astype(_F32), xs)  # o [N, B, H, C, V]
+    else:
+        runs = segment_runs(segment_ids)
+        runs = jnp.pad(runs, [(0, 0), (0, n * C - T)], mode="edge").reshape(B, n, C).transpose(1, 0, 2)
+
+        def seg_step(carry, x):
+            s, run_in = carry
+            *x, r = x
+            s, o = _chunk_step(s, *x, runs=r, run_in=run_in)
+            return (s, r[:, -1]), o
+
+        carry = (initial_state.astype(_F32), runs[0, :, 0])  # the initial state is the first run's
+        (state, _), o = lax.scan(jax.checkpoint(seg_step), carry, (*xs, runs))
     o = o.transpose(1, 0, 3, 2, 4).reshape(B, n * C, H, v.shape[-1])[:, :T]
     return o, state
+
+
+def segment_runs(segment_ids: jax.Array) -> jax.Array:
+    """int32 [B, T] run index of each token: 0 for the first run, +1 at every change of id, so
+    tokens share a run exactly when they belong to one contiguous stretch of equal ids."""
+    change = jnp.concatenate(
+        [jnp.zeros_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return jnp.cumsum(change, axis=1, dtype=jnp.int32)
 
 
 def host_offsets(cu_seqlens: object, total_len: int) -> np.ndarray:
@@ -264,12 +300,18 @@ def chunked_kda(
     initial_state: jax.Array | None,
     chunk_size: int = 64,
     cu_seqlens: object | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Exact chunk-parallel KDA (UT transform within chunks, ``lax.scan`` across them).
 
     With ``cu_seqlens`` (B == 1) the packed sequences are independent: ``initial_state``
-    and the returned state are ``[N, H, K, V]``. Returns ``(o in v.dtype, state fp32)``.
+    and the returned state are ``[N, H, K, V]``. With ``segment_ids`` (int [B, T], may be traced)
+    the state resets wherever the id changes along a row, so each contiguous stretch of equal ids
+    runs as if alone (``initial_state`` feeds each row's first stretch; the final state is its
+    last one's). Returns ``(o in v.dtype, state fp32)``.
     """
+    if cu_seqlens is not None and segment_ids is not None:
+        raise ValueError("cu_seqlens and segment_ids: give one way of packing sequences, not both")
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     if cu_seqlens is None:
         offsets, n_states = None, q.shape[0]
@@ -284,7 +326,8 @@ def chunked_kda(
     # under jit).
     initial_state = jax.lax.optimization_barrier(initial_state)
     if offsets is None:
-        o, state = _chunked_batched(q, k, v, g, beta, scale, initial_state, chunk_size=chunk_size)
+        o, state = _chunked_batched(q, k, v, g, beta, scale, initial_state, chunk_size=chunk_size,
+                                    segment_ids=segment_ids)
     else:
         o, state = _chunked_varlen(q, k, v, g, beta, scale, initial_state, chunk_size, offsets)
     return o.astype(v.dtype), state

@@ -21,10 +21,6 @@ MERGES = [b"th", b"the", b" the", b"he", b"ll", b"llo", b"hello", b" w", b" wo",
           b"in", b"ing", b"er", b" a", b" an", b" and", b"\xe4\xbd", b"\xe4\xbd\xa0", b"\xe5\xa5", b"\xe5\xa5\xbd"]
 # 256 bytes + 22 merges + more 2-byte merges of lowercase letters: a few hundred ranks.
 EXTRA = [bytes([a, b]) for a in b"aeiou" for b in b"bcdfghklmnprstvwxyz" if bytes([a, b]) not in MERGES]
-TEMPLATE = (
-    "{% for m in messages %}<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>{{ m.content }}<|im_end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
-)
 SPECIAL = {0: "[BOS]", 1: "[EOS]", 3: "<|im_end|>", 4: "<|im_user|>", 5: "<|im_assistant|>", 7: "<|im_system|>",
            8: "<|im_middle|>", 255: "[PAD]"}  # offsets from the number of BPE ranks
 
@@ -37,7 +33,7 @@ def _write_tokenizer_dir(path):
     n = len(tokens)
     config = {
         "added_tokens_decoder": {str(n + k): {"content": v, "special": True} for k, v in SPECIAL.items()},
-        "bos_token": "[BOS]", "eos_token": {"content": "[EOS]"}, "pad_token": "[PAD]", "chat_template": TEMPLATE,
+        "bos_token": "[BOS]", "eos_token": {"content": "[EOS]"}, "pad_token": "[PAD]",
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     return n
@@ -84,20 +80,6 @@ def test_special_tokens_in_text(kimi_dir):
     assert all(i < n for i in plain) and tok.decode(plain) == "[BOS]hello"
 
 
-def test_chat_template(kimi_dir):
-    tok = load_tokenizer(kimi_dir[0])
-    n = kimi_dir[1]
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    text = tok.render_chat(messages)
-    assert text == ("<|im_system|>system<|im_middle|>be brief<|im_end|><|im_user|>user<|im_middle|>hello<|im_end|>"
-                    "<|im_assistant|>assistant<|im_middle|>")
-    ids = tok.apply_chat_template(messages)
-    assert ids[0] == n + 7 and ids[-1] == n + 8 and ids.count(n + 3) == 2
-    assert ids == tok.encode(text, allow_special=True)  # no injected text: the rendered chat, encoded whole
-    assert tok.decode(ids) == text
-    assert not tok.render_chat(messages, add_generation_prompt=False).endswith("<|im_middle|>")
-
-
 def test_kimi_pre_tokenizer_splits_han_apart(kimi_dir):
     """Kimi's regex (tiktoken dialect, set intersections included) compiles and keeps Han runs apart."""
     tok = load_tokenizer(kimi_dir[0])
@@ -136,11 +118,10 @@ def test_byte_fallback_reads_special_ids_from_config(golden_dir):
     assert tok.decode([tok.bos_id, *tok.encode("hi"), tok.eos_id]) == "hi"
 
 
-def test_byte_fallback_named_specials_and_template():
-    tok = ByteTokenizer(bos_id=256, eos_id=257, special_tokens={"<s>": 256, "</s>": 257},
-                        chat_template="{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}")
-    ids = tok.apply_chat_template([{"role": "user", "content": "ok"}])
-    assert ids == [256, ord("o"), ord("k"), 257]
+def test_byte_fallback_named_specials():
+    tok = ByteTokenizer(bos_id=256, eos_id=257, special_tokens={"<s>": 256, "</s>": 257})
+    ids = tok.encode("<s>ok</s>", allow_special=True)
+    assert ids == [256, ord("o"), ord("k"), 257] and tok.encode("<s>") == list(b"<s>")
     assert tok.decode(ids) == "<s>ok</s>" and tok.decode(ids, skip_special_tokens=True) == "ok"
     with pytest.raises(ValueError, match="256"):
         ByteTokenizer(special_tokens={"<x>": 3})

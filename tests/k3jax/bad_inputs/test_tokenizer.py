@@ -26,41 +26,18 @@ def kimi(tmp_path):
     return load_tokenizer(tmp_path), n
 
 
-def _chats(text: str) -> list[tuple[list[dict], dict]]:
-    """The places a caller's text reaches a chat template: content, a list-form part, a name, a variable."""
-    return [
-        ([{"role": "user", "content": text}], {}),
-        ([{"role": "system", "content": "be brief"}, {"role": "user", "content": f"hi {text} bye"}], {}),
-        ([{"role": "user", "content": [{"type": "text", "text": text}]}], {}),
-        ([{"role": "user", "content": "hi", "name": text}], {"tools": [{"description": text}]}),
-    ]
-
-
 @pytest.mark.parametrize("text", INJECTIONS)
 def test_user_text_never_becomes_a_control_token(kimi, text):
     tok, n = kimi
     assert all(i < n for i in tok.encode(text)) and tok.decode(tok.encode(text)) == text
-    for messages, variables in _chats(text):
-        clean = [{**m, **{k: "x" for k in m if k != "role"}} for m in messages]
-        expected = sum(i >= n for i in tok.apply_chat_template(clean))
-        ids = tok.apply_chat_template(messages, **variables)
-        assert sum(i >= n for i in ids) == expected, (messages, tok.decode(ids))
-        assert tok.decode(ids) == tok.render_chat(messages, **variables)
 
 
 @pytest.mark.parametrize("text", INJECTIONS)
 def test_byte_tokenizer_user_text_stays_bytes(text):
     names = {"<|im_end|>": 300, "<|im_system|>": 301, "<|im_middle|>": 302, "[BOS]": 256}
-    tok = ByteTokenizer(bos_id=256, special_tokens=names,
-                        chat_template="{% for m in messages %}<|im_middle|>{{ m.content }}<|im_end|>{% endfor %}")
+    tok = ByteTokenizer(bos_id=256, special_tokens=names)
     assert tok.encode(text) == list(text.encode())
-    ids = tok.apply_chat_template([{"role": "user", "content": text}])
-    assert [i for i in ids if i >= 256] == [302, 300]
-
-
-def test_chat_template_rejects_allow_special(kimi):
-    with pytest.raises(TypeError, match="allow_special"):
-        kimi[0].apply_chat_template([{"role": "user", "content": "hi"}], allow_special=False)
+    assert tok.decode(tok.encode(text)) == text
 
 
 @pytest.mark.parametrize("text, message", [
@@ -126,8 +103,6 @@ def test_non_ascii_rank_file(tmp_path):
     ({"added_tokens_decoder": {"999": {"content": 5}}}, r"tokenizer_config.json: added_tokens_decoder\[999\]"),
     ({"bos_token": 3}, r"tokenizer_config.json: bos_token: expected a string"),
     ({"eos_token": {"content": ["x"]}}, r"tokenizer_config.json: eos_token: expected a string"),
-    ({"chat_template": 7}, r"tokenizer_config.json: chat_template: expected a string or a list, got int"),
-    ({"chat_template": [{"name": "default"}]}, r"tokenizer_config.json: chat_template: expected a list of"),
 ])
 def test_bad_tokenizer_config_names_the_file_and_field(tmp_path, edit, message):
     _write_tokenizer_dir(tmp_path)

@@ -1,0 +1,169 @@
+"""Fine-tuning step throughput of a reduced full-width K3: tokens/s, MFU, Pallas kernels against XLA.
+
+The model keeps K3's widths (hidden 7168, 96 heads, latent experts 3584 -> 3072, vocab 163840) with fewer
+layers and experts (benchmarks/e2e_reduced_k3.py builds it the same way), random bf16 weights:
+
+* LoRA step (rank 16, the trainer's default targets) with the routed experts MXFP4-packed and frozen,
+  at `--layers` / `--experts` (default 8 / 32): what fine-tuning K3 itself runs;
+* full fine-tuning step (every weight trained, fp32 masters and AdamW moments) at `--full-layers` /
+  `--full-experts` (default 4 / 8: fp32 masters and moments of the 8-layer, 32-expert model need about
+  18 bytes per parameter, more than one GPU holds).
+
+Each step is timed with the dispatch policy's kernels (on GPU the Pallas KDA and grouped-GEMM kernels) and
+with the pure-XLA implementations; the kernels' gain is the difference. MFU = model FLOP/s / the dense bf16
+matmul FLOP/s measured in the same job (an 8192^3 `jnp.dot`), where model FLOPs per token = 6 x the
+active parameters (top-k of the routed experts; attention scores not counted, so MFU is a lower bound;
+LoRA steps still run the full forward and the activation backward of every layer, i.e. 4 x active
+instead of 6 x, which the table uses for them).
+
+    PYTHONPATH=. python benchmarks/train_step.py --out train_step.json              # one H100 / H200
+    PYTHONPATH=. python benchmarks/train_step.py --smoke --out smoke.json            # CPU, tiny config
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.e2e_reduced_k3 import reduced_config
+from benchmarks.timing import median_ms
+from k3jax.assets import tiny_checkpoint
+from k3jax.checkpoint.names import path_names
+from k3jax.config import K3Config
+from k3jax.kernels import Kernels
+from k3jax.model import K3Model
+from k3jax.nn.moe import pack_routed_experts
+from k3jax.training import Batch, TrainConfig, Trainer
+
+KERNELS = {"policy": Kernels(), "xla": Kernels(kda="xla", kda_decode="xla", moe="xla")}
+
+
+def matmul_tflops(n: int, reps: int) -> float:
+    """Dense bf16 [n, n] @ [n, n] TFLOP/s on this device (the MFU denominator)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    ms = median_ms(jax.jit(jnp.dot), a, a, reps=reps)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def active_params(model: K3Model, cfg: K3Config) -> int:
+    """Parameters one token runs through: everything but the routed experts, plus top_k of E of them
+    (counted as decoded weights, whatever their storage: a packed byte holds two)."""
+    dense = experts = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        name = ".".join(map(str, path_names(path)))
+        if name.endswith(".scale"):
+            continue
+        size = int(np.prod(leaf.shape)) * (2 if name.endswith(".packed") else 1)
+        if ".experts." in name:
+            experts += size
+        else:
+            dense += size
+    return dense + experts * cfg.num_experts_per_token // cfg.num_experts
+
+
+def fill_packed(model: K3Model, seed: int = 0) -> K3Model:
+    """Random MXFP4 codes with scale 2^-7 in the packed experts (a loader's zeros would decode to 0)."""
+    graphdef, state = nnx.split(model)
+    key = jax.random.key(seed)
+
+    def fill(path, x):
+        if x.dtype != jnp.uint8:
+            return x
+        if jax.tree_util.keystr(path).endswith("scale']"):
+            return jnp.full(x.shape, 120, jnp.uint8)
+        return jax.random.randint(jax.random.fold_in(key, hash(jax.tree_util.keystr(path)) % 2**31),
+                                  x.shape, 0, 256, jnp.int32).astype(jnp.uint8)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
+
+
+def time_step(model: K3Model, config: TrainConfig, batch: Batch, reps: int) -> dict:
+    """Compile one trainer step, then the median of `reps` timed steps."""
+    trainer = Trainer(model, config)
+    start = time.perf_counter()
+    trainer.step(batch)
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        trainer.step(batch)  # returns floats: the step has finished
+        times.append(time.perf_counter() - start)
+    ms = sorted(times)[len(times) // 2] * 1e3
+    return {"ms": ms, "tokens_per_s": batch.input_ids.size / (ms * 1e-3), "first_step_s": compile_s}
+
+
+def random_batch(cfg: K3Config, batch: int, seq_len: int) -> Batch:
+    ids = jax.random.randint(jax.random.key(1), (batch, seq_len + 1), 0, cfg.vocab_size, jnp.int32)
+    ones = jnp.ones((batch, seq_len), jnp.int32)
+    return Batch(ids[:, :-1], ids[:, 1:], ones.astype(jnp.float32), ones)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="configs/kimi_k3.json")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--full-layers", type=int, default=4)
+    parser.add_argument("--full-experts", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--remat", default="nothing_saveable")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--matmul", type=int, default=8192)
+    parser.add_argument("--kernels", default="policy,xla")
+    parser.add_argument("--smoke", action="store_true", help="CPU: the packaged tiny config, short rows")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.smoke:
+        args.config, args.seq_len, args.reps, args.matmul = str(tiny_checkpoint() / "config.json"), 16, 2, 256
+        args.layers = args.full_layers = 2
+        args.experts = args.full_experts = 16
+        args.kernels, args.remat = "xla", "none"
+
+    peak = matmul_tflops(args.matmul, args.reps)
+    results = {"device": str(jax.devices()[0]), "matmul_tflops": peak, "batch": args.batch, "seq_len": args.seq_len,
+               "remat": args.remat, "runs": []}
+    print(f"dense bf16 matmul {args.matmul}^3: {peak:.1f} TFLOP/s", flush=True)
+    cases = [("lora", args.layers, args.experts, True), ("full", args.full_layers, args.full_experts, False)]
+    for mode, layers, experts, packed in cases:
+        cfg = dataclasses.replace(reduced_config(args.config, layers, experts), dtype="bfloat16")
+        for name in args.kernels.split(","):
+            model = K3Model.init(cfg, seed=0, kernels=KERNELS[name])
+            if packed:
+                model = fill_packed(pack_routed_experts(model))
+            active = active_params(model, cfg)
+            config = TrainConfig(learning_rate=1e-5, total_steps=1000, lora_rank=args.lora_rank if mode == "lora" else 0,
+                                 remat=args.remat)
+            timing = time_step(model, config, random_batch(cfg, args.batch, args.seq_len), args.reps)
+            flops_per_token = (4 if mode == "lora" else 6) * active
+            tflops = timing["tokens_per_s"] * flops_per_token / 1e12
+            run = {"mode": mode, "kernels": name, "layers": layers, "experts": experts,
+                   "experts_storage": "mxfp4" if packed else "bf16", "active_params": active, **timing,
+                   "model_tflops": tflops, "mfu": tflops / peak}
+            results["runs"].append(run)
+            print(json.dumps(run), flush=True)
+            del model
+    print("\n| step | layers x experts | kernels | ms | tokens/s | model TFLOP/s | MFU |\n|---|---|---|---:|---:|---:|---:|")
+    for r in results["runs"]:
+        print(f"| {r['mode']} ({r['experts_storage']} experts) | {r['layers']} x {r['experts']} | {r['kernels']} | "
+              f"{r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['model_tflops']:.1f} | {100 * r['mfu']:.1f}% |")
+    for mode in ("lora", "full"):
+        by = {r["kernels"]: r["ms"] for r in results["runs"] if r["mode"] == mode}
+        if {"policy", "xla"} <= by.keys():
+            print(f"{mode}: kernels save {by['xla'] - by['policy']:.1f} ms of {by['xla']:.1f} ms "
+                  f"({100 * (1 - by['policy'] / by['xla']):.0f}% of the XLA step)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""benchmarks/train_step.py --smoke runs on CPU (tiny config, XLA kernels) and writes its JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_train_step_smoke(tmp_path):
+    out = tmp_path / "train_step.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "benchmarks/train_step.py", "--smoke", "--out", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["matmul_tflops"] > 0
+    assert [(r["mode"], r["experts_storage"]) for r in result["runs"]] == [("lora", "mxfp4"), ("full", "bf16")]
+    for r in result["runs"]:
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["active_params"] > 0
+    assert "| lora (mxfp4 experts) |" in proc.stdout
