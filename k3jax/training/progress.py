@@ -9,12 +9,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
-import matplotlib
 import numpy as np
+from matplotlib.figure import Figure
 from tqdm import tqdm
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 
 class MetricsLog:
@@ -76,7 +73,10 @@ def plot_losses(records: Iterable[dict[str, Any]], png: Path, *, title: str = "f
     records = list(records)
     steps = np.array([r["step"] for r in records])
     loss = np.array([r["loss"] for r in records], dtype=np.float64)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    # A bare Figure renders with Agg on its own: no pyplot, so the global backend (a notebook's inline
+    # plots, a user's display) is left alone.
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     ax.plot(steps, loss, color="tab:blue", alpha=0.35, linewidth=1, label="train loss")
     window = max(1, len(loss) // 20)
     if window > 1:
@@ -91,5 +91,4 @@ def plot_losses(records: Iterable[dict[str, Any]], png: Path, *, title: str = "f
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
-    plt.close(fig)
     return png
