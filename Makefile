@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test notebooks clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -n 2 --dist loadfile -q
+
+notebooks: setup
+	$(PY) notebooks/build.py
 
 clean:
 	rm -rf $(VENV)

@@ -1,5 +1,6 @@
 """The wheel works without the checkout: built from a copy of the tree, installed into a fresh venv, run
-from a folder outside the repository, it finds its tiny checkpoint and configs and runs the demo.
+from a folder outside the repository, it finds its tiny checkpoint (with the official reference outputs
+the notebooks read) and configs and runs the demo.
 
 Isolation: the fresh venv has no site packages of its own but a .pth file listing this environment's
 site-packages, so the dependencies (jax, flax, ...) come from here with no network. Directories named in
@@ -54,6 +55,8 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_outside_the_checkout(tmp_path
     assert all(Path(line).is_relative_to(site_packages) for line in lines[:4]), lines
     tiny = Path(lines[3])
     assert (tiny / "config.json").is_file() and list(tiny.glob("*.safetensors")), sorted(tiny.iterdir())
+    # The official outputs the notebooks check themselves against ship too (tests/notebooks runs them).
+    assert {"generate_fp32.npz", "text_fp32.npz", "multimodal_fp32.npz"} <= {p.name for p in (tiny / "reference").iterdir()}
     assert int(lines[4]) > 0
 
     demo = _run([str(python), "-m", "k3jax", "demo", "--max-new-tokens", "2"], elsewhere, env).stdout
