@@ -28,7 +28,9 @@ from k3jax.training.config import TrainConfig
 
 GROUPS = ("muon", "adamw", "no_decay", "kda_gate")
 _NO_DECAY = re.compile(r"(res_proj\.weight|norm\.weight)$")
-_ADAMW_MATRICES = re.compile(r"(embed_tokens\.weight|lm_head\.weight|conv1d\.weight|lora_[ab])$")
+# The vision tower and projector stay with AdamW: Muon's orthogonalised updates are set up (per head,
+# per expert) for the decoder's matrices only.
+_ADAMW_MATRICES = re.compile(r"(embed_tokens\.weight|lm_head\.weight|conv1d\.weight|lora_[ab])$|^(vision_tower|mm_projector)\.")
 _PER_HEAD_KDA = re.compile(r"self_attn\.(q_proj|k_proj|v_proj)\.weight$")
 _PER_HEAD_MLA = re.compile(r"self_attn\.(q_b_proj|kv_b_proj)\.weight$")
 

@@ -37,6 +37,7 @@ from k3jax.pretrained import from_pretrained
 from k3jax.tokenizer import Tokenizer, load_tokenizer
 from k3jax.training.checkpointing import RunCheckpoints
 from k3jax.training.data import PackedBatches, fingerprint, read_documents, split_documents
+from k3jax.training.interrupt import StepBoundaryInterrupt
 from k3jax.training.options import FinetuneOptions, read_recorded
 from k3jax.training.progress import MetricsLog, ProgressBar, plot_losses, read_metrics
 from k3jax.training.config import Batch, TrainConfig
@@ -157,25 +158,8 @@ class _Run:
         options = self.options
         bar = ProgressBar(options.steps, self.step, enabled=options.progress)
         try:
-            while self.step < options.steps:
-                arrays = next(self.stream)
-                start = time.perf_counter()
-                metrics = self.trainer.step(_batch(arrays))
-                loss = float(metrics["loss"])  # waits for the step
-                seconds = time.perf_counter() - start
-                self.step += 1
-                tokens = int((arrays["segment_ids"] > 0).sum())  # not padding
-                record = {"step": self.step, "loss": loss, "lr": float(metrics["lr"]),
-                          "grad_norm": float(metrics["grad_norm"]), "tokens": tokens,
-                          "loss_tokens": int(metrics["tokens"]), "seconds": seconds, "tokens_per_s": tokens / seconds}
-                record.update({k: float(v) for k, v in metrics.items() if k not in record and k != "tokens"})
-                if self.eval_batches and self.step % options.eval_every == 0:
-                    record["eval_loss"] = self.eval_loss()
-                self.log.write(record)
-                self.since_save.append(loss)
-                bar.update(loss, record["tokens_per_s"])
-                if self.step % options.save_every == 0 or self.step == options.steps:
-                    self.save()
+            with StepBoundaryInterrupt() as stop:
+                self._steps(bar, stop)
         except KeyboardInterrupt:
             if self.step and self.checkpoints.latest_step() != self.step:
                 self.save()
@@ -183,6 +167,30 @@ class _Run:
         finally:
             bar.close()
             self.checkpoints.wait()
+
+    def _steps(self, bar: ProgressBar, stop: StepBoundaryInterrupt) -> None:
+        """The step loop; Ctrl-C ends it only between steps (see `k3jax.training.interrupt`)."""
+        options = self.options
+        while self.step < options.steps:
+            stop.check()
+            arrays = next(self.stream)
+            start = time.perf_counter()
+            metrics = self.trainer.step(_batch(arrays))
+            loss = float(metrics["loss"])  # waits for the step
+            seconds = time.perf_counter() - start
+            self.step += 1
+            tokens = int((arrays["segment_ids"] > 0).sum())  # not padding
+            record = {"step": self.step, "loss": loss, "lr": float(metrics["lr"]),
+                      "grad_norm": float(metrics["grad_norm"]), "tokens": tokens,
+                      "loss_tokens": int(metrics["tokens"]), "seconds": seconds, "tokens_per_s": tokens / seconds}
+            record.update({k: float(v) for k, v in metrics.items() if k not in record and k != "tokens"})
+            if self.eval_batches and self.step % options.eval_every == 0:
+                record["eval_loss"] = self.eval_loss()
+            self.log.write(record)
+            self.since_save.append(loss)
+            bar.update(loss, record["tokens_per_s"])
+            if self.step % options.save_every == 0 or self.step == options.steps:
+                self.save()
 
     def export(self) -> Path:
         """OUT/final: the trained (LoRA-merged) model as a release; routed experts MXFP4 when they were not

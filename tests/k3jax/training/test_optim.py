@@ -18,7 +18,9 @@ from tests.k3jax.training.small_k3 import small_config, small_model
 
 EXPECTED = [  # (pattern over parameter names, group), first match wins
     ("*A_log", "kda_gate"), ("*dt_bias", "kda_gate"),
-    ("*norm.weight", "no_decay"), ("*res_proj.weight", "no_decay"),
+    ("*norm.weight", "no_decay"), ("*norm[01].weight", "no_decay"), ("*res_proj.weight", "no_decay"),
+    ("*.bias", "no_decay"),
+    ("vision_tower.*", "adamw"), ("mm_projector.*", "adamw"),
     ("embed_tokens.weight", "adamw"), ("lm_head.weight", "adamw"), ("*conv1d.weight", "adamw"),
     ("*self_attn.*_proj*.weight", "muon"), ("*experts.w[123]", "muon"), ("*gate.weight", "muon"),
     ("*_proj.weight", "muon"),
