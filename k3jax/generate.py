@@ -282,7 +282,8 @@ def _select(
 _select_jit = jax.jit(_select, static_argnums=0)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("params", "max_new_tokens"))
+# The cache is not donated: the loop returns only tokens, so no output could reuse its buffers.
+@functools.partial(jax.jit, static_argnames=("params", "max_new_tokens"))
 def _decode_loop(
     model: K3Model, cache: ModelCache, last: jax.Array, key: jax.Array, stop: jax.Array, pad: jax.Array,
     *, params: SamplingParams, max_new_tokens: int,
