@@ -39,6 +39,15 @@ def write_variant(root: Path, golden_dir: Path, tensors: dict[str, np.ndarray]) 
     return root
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Drop each test module's compiled programs when it ends. XLA:CPU maps every executable's code into
+    memory; a worker that runs hundreds of modules would otherwise pass the kernel's limit on memory
+    mappings (vm.max_map_count, 65530 by default) and abort inside the compiler."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
     return GOLDEN_DIR

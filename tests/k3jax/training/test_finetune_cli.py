@@ -27,8 +27,11 @@ def _command(data: Path, out: Path, *extra: str) -> list[str]:
             "--warmup-steps", "2", "--save-every", "3", "--no-progress", *extra]
 
 
-def _start(cmd: list[str]) -> subprocess.Popen:
+def _start(cmd: list[str], compile_cache: Path | None = None) -> subprocess.Popen:
+    """`cmd` in a subprocess; runs given the same `compile_cache` compile the training step only once."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    if compile_cache is not None:
+        env |= {"JAX_COMPILATION_CACHE_DIR": str(compile_cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     env.pop("XLA_FLAGS", None)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -51,25 +54,26 @@ def _losses(out: Path) -> list[tuple[int, float, float]]:
 @pytest.mark.slow
 def test_sigkill_and_ctrl_c_resume_the_exact_curve(tmp_path):
     data = write_data(tmp_path / "data.jsonl")
-    reference = _start(_command(data, tmp_path / "reference"))
+    cache = tmp_path / "compiled"
+    reference = _start(_command(data, tmp_path / "reference"), cache)
+    _, ref_err = reference.communicate(timeout=900)
+    assert reference.returncode == 0, ref_err
     out = tmp_path / "run"
-    killed = _start(_command(data, out))
+    killed = _start(_command(data, out), cache)
     _stop_after(killed, out / "metrics.jsonl", 4, signal.SIGKILL)  # after step 4; last checkpoint: step 3
     killed.wait(timeout=60)
     assert killed.returncode == -signal.SIGKILL
 
-    interrupted = _start(_command(data, out, "--resume"))
+    interrupted = _start(_command(data, out, "--resume"), cache)
     _stop_after(interrupted, out / "metrics.jsonl", 5, signal.SIGINT)  # Ctrl-C after step 5
     _, err = interrupted.communicate(timeout=300)
     assert interrupted.returncode == 130, err
     assert "checkpoint saved" in err and "--resume" in err
     assert (out / "checkpoints" / "5").is_dir() or (out / "checkpoints" / "6").is_dir()
 
-    finished = _start(_command(data, out, "--resume"))
+    finished = _start(_command(data, out, "--resume"), cache)
     stdout, err = finished.communicate(timeout=900)
     assert finished.returncode == 0, err
-    ref_out, ref_err = reference.communicate(timeout=900)
-    assert reference.returncode == 0, ref_err
     assert _losses(out) == _losses(tmp_path / "reference")  # every step, bit for bit
     assert [s for s, _, _ in _losses(out)] == list(range(1, STEPS + 1))
     assert f"model in {out / 'final'}" in stdout and (out / "final" / "config.json").is_file()
