@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.smoke:
-        cfg = dataclasses.replace(reduced_config(str(tiny_checkpoint()), 8, 8), dtype="float32")
+        cfg = dataclasses.replace(reduced_config(str(tiny_checkpoint()), 4, 8), dtype="float32")
         batches, context, copy_size = [1, 4], 32, 1 << 24
     else:
         cfg = reduced_config(args.config, 8, 32)

@@ -39,6 +39,13 @@ def write_variant(root: Path, golden_dir: Path, tensors: dict[str, np.ndarray]) 
     return root
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with a `slow` test run first: `--dist loadfile` hands each module whole to one worker in
+    collection order, and a long module handed out last would keep one worker busy while the other idles."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
     """Drop each test module's compiled programs when it ends. XLA:CPU maps every executable's code into

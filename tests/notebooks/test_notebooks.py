@@ -88,6 +88,7 @@ def test_plots_are_committed():
             assert images, f"{path.name} plots but carries no image output"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_runs_in_a_kernel(path: Path):
     """Top to bottom in a fresh python3 kernel outside the checkout; any failing cell (a failed assert
