@@ -117,8 +117,10 @@ def _stop_ids(values: Sequence[str], tokenizer: Tokenizer, vocab_size: int) -> l
 
 def _use_fake_cpu_devices(count: int = 8) -> None:
     """Without accelerators, give the CPU `count` devices so meshes work (before JAX starts its backend),
-    and one OpenBLAS thread, since all of them call it at once."""
+    and one OpenBLAS thread, since all of them call it at once. JAX_NUM_CPU_DEVICES, when set, decides."""
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    if "JAX_NUM_CPU_DEVICES" in os.environ:
+        return
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:  # the backend has started (main called in a running program): its devices stand

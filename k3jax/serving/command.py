@@ -1,9 +1,14 @@
-"""`k3jax serve`: an OpenAI-compatible HTTP server for a checkpoint (Starlette + uvicorn, the `serve` extra)."""
+"""`k3jax serve`: an OpenAI-compatible HTTP server for a checkpoint (Starlette + uvicorn, the `serve` extra).
+
+Under a multi-process launcher (a pod, docs/serving.md) every process loads its shards of the model on
+the `--mesh` spanning the job and runs the engine in lockstep (`replicate.py`); process 0 serves HTTP.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,6 +22,7 @@ from k3jax.memory_plan.command import int_at_least
 from k3jax.pretrained import from_pretrained
 from k3jax.serving.metrics import Metrics
 from k3jax.serving.prefix_cache import PrefixCache
+from k3jax.serving.replicate import BroadcastChannel, ReplicatedScheduler
 from k3jax.serving.scheduler import Scheduler
 from k3jax.serving.state import ServerState
 from k3jax.tokenizer import load_tokenizer
@@ -63,9 +69,14 @@ def build_state(args: argparse.Namespace) -> ServerState:
         logging.getLogger(__name__).warning("no chat endpoint: %s", err)
         chat_tokenizer = None
     model = from_pretrained(args.model, dtype=args.dtype, mesh=args.mesh)
-    scheduler = Scheduler(model, max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                          max_queue=args.max_queue, prefix_cache=PrefixCache(args.prefix_cache_mib * MIB),
-                          metrics=Metrics(args.max_batch))
+    engine = dict(max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                  max_queue=args.max_queue, prefix_cache=PrefixCache(args.prefix_cache_mib * MIB),
+                  metrics=Metrics(args.max_batch))
+    if jax.process_count() > 1:  # a pod: every process runs the engine, the leader's inputs broadcast
+        scheduler: Scheduler = ReplicatedScheduler(model, channel=BroadcastChannel(),
+                                                   leader=jax.process_index() == 0, **engine)
+    else:
+        scheduler = Scheduler(model, **engine)
     bos = tokenizer.bos_id if tokenizer.bos_id is not None else config.bos_token_id
     return ServerState(scheduler, tokenizer, chat_tokenizer, args.served_model_name or args.model.resolve().name,
                        config.vocab_size, args.max_len, config.eos_token_id, bos, int(time.time()))
@@ -77,8 +88,10 @@ def run_serve_command(args: argparse.Namespace) -> int:
         print(f"error: `k3jax serve` needs starlette and uvicorn (pip install 'k3jax[serve]'): {_WEB_SERVER_MISSING}",
               file=sys.stderr)
         return 1
-    if jax.process_count() > 1:
-        print("error: `k3jax serve` runs in one process (multi-host serving is not supported)", file=sys.stderr)
+    if jax.process_count() > 1 and args.mesh is None:
+        print(f"error: this is one of {jax.process_count()} processes; serving from several processes needs "
+              "--mesh SPEC (the model sharded over every process's devices), or run it as one process",
+              file=sys.stderr)
         return 2
     try:
         state = build_state(args)
@@ -86,5 +99,27 @@ def run_serve_command(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if jax.process_index() > 0:
+        return _follow(state.scheduler)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _follow(scheduler: ReplicatedScheduler) -> int:
+    """A follower of a pod: run the engine until the leader's stop reaches it (0) or the pod breaks (1).
+    SIGINT and SIGTERM do not end it: the leader drains first, then its stop ends every process."""
+    print(f"process {jax.process_index()} of {jax.process_count()}: following the leader (process 0, which "
+          "serves HTTP); running the engine", flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    scheduler.start()
+    while True:
+        try:
+            scheduler.join()
+            break
+        except KeyboardInterrupt:
+            print(f"process {jax.process_index()}: interrupted; it stops when the leader does", file=sys.stderr,
+                  flush=True)
+    if scheduler.failed is not None:
+        print(f"error: the pod's engine stopped: {scheduler.failed}", file=sys.stderr)
+        return 1
     return 0

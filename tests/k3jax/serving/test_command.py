@@ -29,3 +29,10 @@ def test_flags_are_checked(capsys):
         else:
             raise AssertionError(f"{flags} was accepted")
         assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_several_processes_need_a_mesh(monkeypatch, capsys):
+    monkeypatch.setattr(command.jax, "process_count", lambda: 2)
+    assert cli.main(["serve", "--model", str(GOLDEN_DIR)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "one of 2 processes" in err and "--mesh SPEC" in err
