@@ -78,9 +78,9 @@ def add_plan_command(commands: argparse._SubParsersAction) -> None:
                          "AdamW, the base frozen as loaded); --batch rows of --seq-len tokens")
     pl.add_argument("--lora-rank", type=int_at_least(1), default=None,
                     help=f"adapter rank with --train lora (default {DEFAULT_PLAN_LORA_RANK})")
-    pl.add_argument("--remat", choices=("none", *REMAT_POLICIES), default=None,
-                    help="with --train: the jax.checkpoint_policies name applied to every decoder layer, as "
-                         "k3jax finetune --remat (default none)")
+    pl.add_argument("--remat", choices=("none", *REMAT_POLICIES), default=None, metavar="POLICY",
+                    help="with --train: none or a jax.checkpoint_policies name (nothing_saveable, dots_saveable, ...) "
+                         "applied to every decoder layer, as k3jax finetune --remat (default none)")
     pl.add_argument("--experts", choices=("mxfp4", "bf16"), default=None,
                     help="routed expert storage (default mxfp4; bf16 with --train full, which trains them)")
     pl.add_argument("--layers", type=int_at_least(2), default=None,
