@@ -3,8 +3,8 @@
 The Trainer is built inside `jax.eval_shape` on `K3Model.init` (routed experts packed MXFP4 if asked),
 so its own code runs unchanged on shapes: the remat policy, `add_lora` (LoRA mode), `shard_model`
 (which also turns on expert parallelism), the split into trained / router-bias / frozen leaves, the
-fp32 masters and `make_optimizer`'s optax state. Nothing is allocated. The trainer object keeps
-that trace's values, which are never read again: the step is lowered (`Trainer._step`, the jitted
+fp32 masters and `make_optimizer`'s optax state. Nothing is allocated. The trainer's state is then
+replaced by its sharded abstract counterpart and the step is lowered (`Trainer._step`, the jitted
 program `Trainer.step` runs) over ShapeDtypeStructs carrying the NamedShardings the trainer's
 arrays would have (`sharding.param_shardings` for the model's leaves; masters and moments take
 their parameter's layout, as in the trainer; step, rng and optimizer counts replicated).
@@ -132,7 +132,8 @@ def abstract_trainer(cfg: K3Config, mesh: Mesh, *, experts: str, kernels: Kernel
     abstract = {"step": whole(state["step"]), "rng": whole(state["rng"]), "params": masters,
                 "opt_state": _like_params(state["opt_state"], masters, replicated),
                 "router_bias": nnx.to_pure_dict(_placed(bias_t, mesh))}
-    return AbstractTrainer(trainer, abstract, _placed(frozen, mesh))
+    trainer._state, trainer._frozen = abstract, _placed(frozen, mesh)  # drop the trace's values
+    return AbstractTrainer(trainer, abstract, trainer._frozen)
 
 
 def train_lowering(planned: AbstractTrainer, mesh: Mesh, *, batch: int, seq_len: int) -> Lowering:
