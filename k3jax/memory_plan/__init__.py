@@ -1,5 +1,6 @@
-"""Memory plan: compile K3's prefill, decode (and a train step) for a mesh that need not exist, and say
-whether each device's share fits its HBM.
+"""Memory plan: compile K3's prefill and decode, or its fine-tuning step (full or LoRA, as
+`k3jax.training.Trainer` runs it: `train`), for a mesh that need not exist, and say whether each
+device's share fits its HBM.
 
 Why compile instead of adding up shapes: parameter and cache bytes follow from the shardings alone, but
 the temporaries (the decoded MXFP4 experts of one layer, attention scores, MoE dispatch buffers,

@@ -1,9 +1,13 @@
 """`plan_memory`: every program's per-device peak on a mesh, at the configured depth, and the verdict.
 
+Without `train` the programs are prefill and decode (`programs`); with `train` ("full" or "lora") the
+one program is the fine-tuning step as `k3jax.training.Trainer` runs it (`train`), and the state is
+what the trainer holds (frozen weights, fp32 trained leaves, optimizer state).
+
 With `layers` set, the programs are compiled at two reduced depths (`layers` and `layers` + one
 scanned group) with the full width and every figure is extrapolated linearly to the configured depth
 (`measure.extrapolate`); benchmarks/RESULTS.md checks the extrapolation against a full-depth compile.
-Parameter, cache and optimizer bytes are always exact (full-depth abstract model).
+Parameter, cache, trained and optimizer bytes are always exact (full-depth abstract model).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from k3jax.layer_plan import plan_layers
 from k3jax.memory_plan.measure import Program, extrapolate, measure
 from k3jax.memory_plan.programs import lowerings
 from k3jax.memory_plan.state import state_bytes
+from k3jax.memory_plan.train import abstract_trainer, train_config, train_lowering
 from k3jax.prefill_chunk import default_chunk_size
 from sharding import make_mesh
 
@@ -46,10 +51,15 @@ class MemoryPlan:
     programs: list[Program]
     seconds: float
     kernels: Kernels = DEVICE_KERNELS
+    train: str | None = None  # None: prefill and decode; "full" / "lora": the fine-tuning step
+    lora_rank: int | None = None  # adapters' rank with train="lora"
+    remat: str | None = None  # the train step's remat policy ("none" or a jax.checkpoint_policies name)
 
     @property
     def peak(self) -> int:
-        return max(p.peak for p in self.programs)
+        """The largest program's peak, plus what stays resident without being any program's argument
+        (a train plan's "unread" frozen bytes: the vision tower and projector)."""
+        return max(p.peak for p in self.programs) + self.state.get("unread", 0)
 
     @property
     def fits(self) -> bool:
@@ -71,23 +81,30 @@ def reduced_config(cfg: K3Config, layers: int) -> K3Config:
 
 
 def plan_memory(cfg: K3Config, mesh_spec: str, hbm: int, *, batch: int = 1, max_len: int = 131072,
-                seq_len: int | None = None, train: bool = False, layers: int | None = None, experts: str = "mxfp4",
-                kernels: Kernels = DEVICE_KERNELS) -> MemoryPlan:
+                seq_len: int | None = None, train: str | None = None, lora_rank: int = 16, remat: str = "none",
+                layers: int | None = None, experts: str = "mxfp4", kernels: Kernels = DEVICE_KERNELS) -> MemoryPlan:
     """Compile and measure on the devices of `mesh_spec` (see `ensure_cpu_devices`); `layers` None =
     full depth, else extrapolate from `layers` and `layers` + one scanned group. `seq_len` None: the
     prefill chunk `k3jax.prefill` uses on a device of `hbm` bytes (`default_chunk_size`), at most
-    `max_len`."""
+    `max_len`. `train` "full" / "lora": plan the fine-tuning step instead (`batch` rows of `seq_len`
+    tokens; `lora_rank` adapters in "lora"; `remat` as `TrainConfig.remat`)."""
     if seq_len is None:
         seq_len = min(default_chunk_size(cfg, batch, hbm), max_len)
     start = time.perf_counter()
     mesh = make_mesh(mesh_spec)
     full = cfg.num_hidden_layers
     shape = dict(experts=experts, batch=batch, max_len=max_len, kernels=kernels)
-    state = state_bytes(cfg, mesh, train=train, **shape)
+    config = None if train is None else train_config(train, lora_rank=lora_rank, remat=remat)
+    if config is None:
+        state = state_bytes(cfg, mesh, **shape)
+    else:
+        state = abstract_trainer(cfg, mesh, experts=experts, kernels=kernels, config=config).bytes()
 
     def programs_at(depth_cfg: K3Config) -> list[Program]:
-        return [measure(name, lower) for name, lower in
-                lowerings(depth_cfg, mesh, seq_len=seq_len, train=train, **shape).items()]
+        if config is not None:
+            planned = abstract_trainer(depth_cfg, mesh, experts=experts, kernels=kernels, config=config)
+            return [measure("train", train_lowering(planned, mesh, batch=batch, seq_len=seq_len))]
+        return [measure(name, lower) for name, lower in lowerings(depth_cfg, mesh, seq_len=seq_len, **shape).items()]
 
     if layers is None or layers >= full:
         programs, depths = programs_at(cfg), (full,)
@@ -105,4 +122,5 @@ def plan_memory(cfg: K3Config, mesh_spec: str, hbm: int, *, batch: int = 1, max_
         pa, pb = programs_at(reduced_config(cfg, la)), programs_at(reduced_config(cfg, lb))
         programs, depths = [extrapolate(a, b, la, lb, full) for a, b in zip(pa, pb)], (la, lb)
     return MemoryPlan(mesh_spec, mesh.size, hbm, batch, max_len, seq_len, experts, full, depths, state, programs,
-                      time.perf_counter() - start, kernels)
+                      time.perf_counter() - start, kernels, train, lora_rank if train == "lora" else None,
+                      None if train is None else remat)

@@ -1,8 +1,8 @@
-"""The abstract sharded state the planned programs run on: parameters, caches, optimizer state.
+"""The abstract sharded state the planned inference programs run on: parameters and caches.
 
 Every leaf is a ShapeDtypeStruct carrying the NamedSharding the `sharding` package gives it on the
 mesh, so lowering partitions the programs exactly as a real run would, with nothing allocated.
-Parameter, cache and optimizer bytes per device follow from these shardings alone (`state_bytes`),
+Parameter and cache bytes per device follow from these shardings alone (`state_bytes`),
 exactly and at full depth.
 """
 
@@ -13,10 +13,8 @@ import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from k3jax.config import K3Config
 from k3jax.kernels import Kernels
@@ -64,28 +62,9 @@ def abstract_state(cfg: K3Config, mesh: Mesh, *, experts: str, batch: int, max_l
     return AbstractState(params, model_def, caches, cache_def)
 
 
-def optimizer_state(params: list[jax.ShapeDtypeStruct], mesh: Mesh, lr: float = 1e-4
-                    ) -> tuple[list[jax.ShapeDtypeStruct], Any, optax.GradientTransformation]:
-    """adamw state for `params` as sharded ShapeDtypeStructs: mu and nu like their params, the step
-    count replicated. Returns (leaves, treedef, optimizer)."""
-    if not all(jnp.issubdtype(p.dtype, jnp.floating) for p in params):
-        raise ValueError("--train needs dense experts (--experts bf16): packed MXFP4 codes have no gradient")
-    opt = optax.adamw(lr)
-    opt_state = jax.eval_shape(opt.init, params)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    opt_sh = optax.tree_map_params(opt, lambda _, p: p.sharding, opt_state, params,
-                                   transform_non_params=lambda _: replicated)
-    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-              for x, s in zip(jax.tree.leaves(opt_state), jax.tree.leaves(opt_sh))]
-    return leaves, jax.tree.structure(opt_state), opt
-
-
-def state_bytes(cfg: K3Config, mesh: Mesh, *, experts: str, batch: int, max_len: int, train: bool,
+def state_bytes(cfg: K3Config, mesh: Mesh, *, experts: str, batch: int, max_len: int,
                 kernels: Kernels) -> dict[str, int]:
-    """Exact per-device (and total) parameter / cache / optimizer bytes of the full-depth model."""
+    """Exact per-device (and total) parameter / cache bytes of the full-depth model."""
     state = abstract_state(cfg, mesh, experts=experts, batch=batch, max_len=max_len, kernels=kernels)
-    found = {"params": shard_bytes(state.params), "params_total": total_bytes(state.params),
-             "cache": shard_bytes(state.caches), "cache_total": total_bytes(state.caches)}
-    if train:
-        found["optimizer"] = shard_bytes(optimizer_state(state.params, mesh)[0])
-    return found
+    return {"params": shard_bytes(state.params), "params_total": total_bytes(state.params),
+            "cache": shard_bytes(state.caches), "cache_total": total_bytes(state.caches)}

@@ -72,6 +72,13 @@ USAGE_ERRORS = [
     (PLAN + ["--mesh", "data=4", "--seq-len", "-5"], "argument --seq-len: expected an integer >= 1, got -5"),
     (PLAN + ["--mesh", "data=4", "--batch", "0"], "argument --batch: expected an integer >= 1, got 0"),
     (PLAN + ["--mesh", "data=4", "--layers", "1"], "argument --layers: expected an integer >= 2, got 1"),
+    (PLAN + ["--mesh", "data=4", "--train", "qlora"], "argument --train: invalid choice: 'qlora' (choose from 'full', 'lora')"),
+    (PLAN + ["--mesh", "data=4", "--train"], "argument --train: expected one argument"),
+    (PLAN + ["--mesh", "data=4", "--train", "lora", "--lora-rank", "0"], "argument --lora-rank: expected an integer "
+                                                                         ">= 1, got 0"),
+    (PLAN + ["--mesh", "data=4", "--train", "lora", "--lora-rank", "x"], "argument --lora-rank: expected an integer "
+                                                                         ">= 1, got 'x'"),
+    (PLAN + ["--mesh", "data=4", "--train", "full", "--remat", "all"], "argument --remat: invalid choice: 'all'"),
     (["demo", "--max-new-tokens", "0"], "argument --max-new-tokens: expected an integer >= 1"),
     (["demo", "--max-new-tokens", "2.5"], "argument --max-new-tokens: expected an integer >= 1, got '2.5'"),
     (["demo", "--prompt", "caf\udce9"], "argument --prompt: the text is not valid UTF-8: byte 0xe9 at character 3"),
@@ -107,6 +114,12 @@ CHECKED_ERRORS = [
     (["convert", str(GOLDEN_DIR), "/nonexistent/out", "--mesh", "expert=3"], "--mesh: mesh spec 'expert=3': axis "
                                                                               "sizes multiply to 3"),
     (PLAN + ["--mesh", "data=4", "--json", "/nonexistent/plan.json"], "--json /nonexistent/plan.json: the folder"),
+    (PLAN + ["--mesh", "data=4", "--lora-rank", "8"], "--lora-rank is the rank of LoRA adapters: use it with --train lora"),
+    (PLAN + ["--mesh", "data=4", "--train", "full", "--lora-rank", "8"], "--lora-rank is the rank of LoRA adapters"),
+    (PLAN + ["--mesh", "data=4", "--remat", "dots_saveable"], "--remat is the train step's rematerialisation: use it "
+                                                              "with --train full or --train lora"),
+    (PLAN + ["--mesh", "data=4", "--train", "full", "--experts", "mxfp4"], "--train full trains the routed experts, "
+                                                                           "so they must be dense: use --experts bf16"),
 ]
 
 
