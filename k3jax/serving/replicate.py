@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 
 from k3jax.model import K3Model
 from k3jax.serving.request import Finish, GenerationRequest, QueueFull, ShuttingDown, Sink
-from k3jax.serving.scheduler import Scheduler, _Request
+from k3jax.serving.scheduler import EngineRequest, Scheduler
 
 log = logging.getLogger(__name__)
 MIN_WIDTH = 256  # the smallest padded broadcast, in bytes
@@ -144,7 +144,7 @@ class ReplicatedScheduler(Scheduler):
         self._inbox: list[tuple[int, GenerationRequest, Sink]] = []  # leader: accepted, not yet sent
         self._cancels: list[int] = []  # leader: cancelled ids, not yet sent
         self._stopping: tuple[bool, bool] | None = None  # leader: (stop, abort), not yet sent
-        self._live: dict[int, _Request] = {}  # every process: requests by id, until they finish
+        self._live: dict[int, EngineRequest] = {}  # every process: requests by id, until they finish
 
     # ---- the leader's side (any thread) --------------------------------------------------
     def submit(self, req: GenerationRequest, sink: Sink) -> _Handle:
@@ -203,7 +203,7 @@ class ReplicatedScheduler(Scheduler):
     def apply(self, record: Record, sinks: dict[int, Sink] | None = None) -> None:
         """Take a record's inputs (the same on every process, in the same place of the loop)."""
         for rid, req in record.new:
-            request = _Request(req, _Relay(self, rid, (sinks or {}).get(rid)), time.perf_counter())
+            request = EngineRequest(req, _Relay(self, rid, (sinks or {}).get(rid)), time.perf_counter())
             with self._lock:
                 self._pending.append(request)
             self._live[rid] = request
@@ -217,7 +217,7 @@ class ReplicatedScheduler(Scheduler):
             self._stop.set()
         self._abort = self._abort or record.abort
 
-    def _finish(self, request: _Request, reason: str, error: str | None = None) -> None:
+    def _finish(self, request: EngineRequest, reason: str, error: str | None = None) -> None:
         super()._finish(request, reason, error)
         self._live.pop(request.sink.rid, None)
 

@@ -41,7 +41,9 @@ MIN_BUCKET = 16  # the smallest padded prompt width
 
 
 @dataclass(eq=False)
-class _Request:
+class EngineRequest:
+    """A request inside the engine: where its tokens go, its sampling keys, what it has generated, its slot."""
+
     req: GenerationRequest
     sink: Sink
     submitted: float
@@ -55,7 +57,7 @@ class _Request:
 
 @dataclass(eq=False)
 class _Prefill:
-    request: _Request
+    request: EngineRequest
     cache: ModelCache
     segments: collections.deque  # np.int32 [1, T] pieces still to run
 
@@ -63,7 +65,7 @@ class _Prefill:
 class Handle:
     """A submitted request; `cancel()` frees its slot at the next step boundary."""
 
-    def __init__(self, scheduler: "Scheduler", request: _Request) -> None:
+    def __init__(self, scheduler: "Scheduler", request: EngineRequest) -> None:
         self._scheduler, self._request = scheduler, request
 
     def cancel(self) -> None:
@@ -114,9 +116,9 @@ class Scheduler:
         self.capacity = max_len + (max(max_len // 4, 1) if headroom is None else headroom)
         self._slots = empty_slots(model, max_batch, self.capacity)
         self._length, self._start = 0, [IDLE] * max_batch
-        self._active: dict[int, _Request] = {}
+        self._active: dict[int, EngineRequest] = {}
         self._free = list(range(max_batch - 1, -1, -1))
-        self._pending: collections.deque[_Request] = collections.deque()
+        self._pending: collections.deque[EngineRequest] = collections.deque()
         self._prefill: _Prefill | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -131,7 +133,7 @@ class Scheduler:
         if len(req.prompt) + req.max_tokens > self.max_len:
             raise ValueError(f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.max_tokens}) exceeds "
                              f"max_len={self.max_len}")
-        request = _Request(req, sink, time.perf_counter())
+        request = EngineRequest(req, sink, time.perf_counter())
         with self._lock:
             if self._closed:
                 raise ShuttingDown("the server is shutting down")
@@ -142,7 +144,7 @@ class Scheduler:
         self._wake.set()
         return Handle(self, request)
 
-    def _cancel(self, request: _Request) -> None:
+    def _cancel(self, request: EngineRequest) -> None:
         request.cancelled = True
         self._wake.set()
 
@@ -211,7 +213,7 @@ class Scheduler:
         return did
 
     # ---- request life cycle ------------------------------------------------------------
-    def _finish(self, request: _Request, reason: str, error: str | None = None) -> None:
+    def _finish(self, request: EngineRequest, reason: str, error: str | None = None) -> None:
         if request.finished:
             return
         request.finished = True
@@ -222,7 +224,7 @@ class Scheduler:
         except Exception:  # a broken sink must not stop the engine
             log.exception("request sink failed")
 
-    def _emit(self, request: _Request, token: int) -> str | None:
+    def _emit(self, request: EngineRequest, token: int) -> str | None:
         """Hand a token to the request; the finish reason if it is its last."""
         if not request.generated:
             self.metrics.first_token(time.perf_counter() - request.submitted)
@@ -264,7 +266,7 @@ class Scheduler:
                 self._free_slot(slot)
                 self._finish(request, "abort")
 
-    def _begin_prefill(self, request: _Request) -> None:
+    def _begin_prefill(self, request: EngineRequest) -> None:
         req = request.req
         request.slot = self._free.pop()
         request.keys = request_keys(req.seed, req.max_tokens)
@@ -314,7 +316,7 @@ class Scheduler:
             return
         self._insert(request, prefill.cache)
 
-    def _insert(self, request: _Request, row: ModelCache) -> None:
+    def _insert(self, request: EngineRequest, row: ModelCache) -> None:
         row_length, row_start = int(row.length), int(row.start[0])
         real = row_length - row_start
         if real > self._length:  # the clock is behind this prompt: move every row later
@@ -359,7 +361,7 @@ class Scheduler:
                 del self._active[slot]
                 self._retire(request, reason)
 
-    def _retire(self, request: _Request, reason: str) -> None:
+    def _retire(self, request: EngineRequest, reason: str) -> None:
         """Free the slot; first snapshot its prompt and completion (all but the last token, which was
         never fed) into the prefix cache."""
         if self.prefix_cache.enabled and len(request.generated) > 1:
