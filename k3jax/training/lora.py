@@ -24,9 +24,7 @@ from k3jax.nn.layers import F32, Linear, linear
 from k3jax.nn.moe import PackedRoutedExperts, RoutedExperts
 from k3jax.training.config import LORA_TARGETABLE
 from k3jax.training.expert_lora import LoRARoutedExperts
-from k3jax.training.lora_dropout import LoRADropoutKey, lora_dropout, refresh_dropout_keys
-
-__all__ = ["LoRADropoutKey", "LoRALinear", "LoRARoutedExperts", "add_lora", "merge_lora", "refresh_dropout_keys"]
+from k3jax.training.lora_dropout import LoRADropoutKey, lora_dropout
 
 
 class LoRALinear(nnx.Module):

@@ -77,7 +77,8 @@ class FinetuneOptions:
         if not isinstance(self.lora_experts, bool):
             raise ValueError(f"--lora-experts {self.lora_experts!r}: expected a bool")
         if self.lora_experts and not self.lora_rank:
-            raise ValueError("--lora-experts: needs --lora-rank > 0 (full fine-tuning already trains the routed experts)")
+            raise ValueError("--lora-experts: needs --lora-rank > 0 "
+                             "(full fine-tuning already trains the routed experts)")
         for field, allowed in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("dtype", DTYPES),
                                ("remat", ("none", *REMAT_POLICIES))):
             if getattr(self, field) not in allowed:

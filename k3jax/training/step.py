@@ -29,8 +29,8 @@ from k3jax.nn.decoder import DecoderLayer
 from k3jax.nn.moe import LatentMoE, RouterBias
 from k3jax.training.balance import load_imbalance, quantile_balance
 from k3jax.training.config import Batch, TrainConfig
-from k3jax.training.lora import (LoRADropoutKey, LoRALinear, LoRARoutedExperts, add_lora, merge_lora,
-                                 refresh_dropout_keys)
+from k3jax.training.lora import LoRALinear, LoRARoutedExperts, add_lora, merge_lora
+from k3jax.training.lora_dropout import LoRADropoutKey, refresh_dropout_keys
 from k3jax.training.loss import LossSums, chunked_cross_entropy
 from k3jax.training.optim import learning_rate_schedule, make_optimizer, path_name
 from sharding.rules import DEFAULT_RULES

@@ -49,7 +49,8 @@ def _reference(x, dense: dict, lora: dict, weights, ids, scale: float) -> np.nda
     out = np.zeros((x.shape[0], dense["w2"].shape[1]))
     for n in range(x.shape[0]):
         for j, e in enumerate(np.asarray(ids)[n]):
-            proj = lambda name, v: f(dense[name][e]) @ v + scale * f(lora[name][1][e]) @ (f(lora[name][0][e]) @ v)  # noqa: E731,B023
+            def proj(name, v, e=e):
+                return f(dense[name][e]) @ v + scale * f(lora[name][1][e]) @ (f(lora[name][0][e]) @ v)
             out[n] += weights[n, j] * proj("w2", _situ(proj("w1", x[n]), proj("w3", x[n])))
     return out
 
