@@ -189,11 +189,14 @@ class LatentMoE(nnx.Module):
             flat, self.gate.weight[...], self.gate.e_score_correction_bias[...], self.top_k, self.renormalize, self.scaling
         )
         latent_in = self.routed_expert_down_proj(flat)
-        w1, w2, w3 = self.experts.w1[...], self.experts.w2[...], self.experts.w3[...]
-        if self.expert_mesh is None:
+        if not isinstance(self.experts, (RoutedExperts, PackedRoutedExperts)):
+            mixed = self._adapted_experts(latent_in, weights, ids)
+        elif self.expert_mesh is None:
+            w1, w2, w3 = self.experts.w1[...], self.experts.w2[...], self.experts.w3[...]
             mixed = routed_experts(latent_in, w1, w2, w3, weights, ids, beta=self.beta, linear_beta=self.linear_beta,
                                    implementation=self.kernels.moe)
         else:
+            w1, w2, w3 = self.experts.w1[...], self.experts.w2[...], self.experts.w3[...]
             mixed = ep_routed_experts(latent_in, w1, w2, w3, weights, ids, mesh=self.expert_mesh, beta=self.beta,
                                       linear_beta=self.linear_beta, implementation=self.kernels.moe)
         mixed = mixed.astype(x.dtype)
@@ -203,6 +206,14 @@ class LatentMoE(nnx.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.reshape(x.shape), ids.reshape(*x.shape[:-1], -1)
+
+    def _adapted_experts(self, latent_in: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+        """Routed experts that run themselves (fine-tuning's per-expert LoRA adapters,
+        k3jax/training/expert_lora.py): same routing, same [N, latent] fp32 mix; no expert parallelism."""
+        if self.expert_mesh is not None:
+            raise ValueError("LoRA on the routed experts (lora target '*.experts', --lora-experts) does not run "
+                             "expert-parallel; use a mesh without an 'expert' axis (e.g. --mesh data=N)")
+        return self.experts(latent_in, weights, ids, beta=self.beta, linear_beta=self.linear_beta)
 
     def router_stats(self, x: jax.Array, valid: jax.Array | None = None) -> RouterStats:
         """`router_stats` of x [B, T, D] (the layer's input) under this layer's bias; `valid` bool [B, T]."""

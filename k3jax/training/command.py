@@ -59,6 +59,8 @@ def add_finetune_command(commands: argparse._SubParsersAction) -> None:
     ft.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
     ft.add_argument("--lora-rank", type=_integer, default=d.lora_rank, help="0: full fine-tuning")
     ft.add_argument("--lora-alpha", type=_number, default=None, help="LoRA scale: adapters add alpha/rank * B(A(x)) (default: the trainer's)")
+    ft.add_argument("--lora-experts", action="store_true",
+                    help="with --lora-rank: per-expert adapters on the routed experts too (exported dense bf16)")
     ft.add_argument("--remat", choices=("none", *REMAT_POLICIES), default=d.remat,
                     help="recompute each decoder layer's activations in the backward pass by this policy")
     ft.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="model parameters and activations")
@@ -91,4 +93,6 @@ def run_finetune_command(args: argparse.Namespace) -> int:
     print(f"fine-tuned {result.steps} steps on {jax.device_count()} {jax.devices()[0].platform} device(s): loss "
           f"{first:.4f} (step 1) -> {last:.4f} (step {result.steps}); model in {result.final}, "
           f"curve in {result.out / 'loss.png'}, metrics in {result.out / 'metrics.jsonl'}")
+    if args.lora_experts:
+        print("routed experts: adapters folded in, exported dense bf16 (MXFP4 cannot hold W + (alpha/r) B A)")
     return 0

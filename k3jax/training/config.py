@@ -18,6 +18,7 @@ LORA_TARGETABLE = (
     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # MLA
     "routed_expert_down_proj", "routed_expert_up_proj",  # latent MoE projections
     "gate_proj", "up_proj", "down_proj",  # shared experts and the dense FFN
+    "experts",  # the routed experts: per-expert adapters on gate, up and down (not in the default targets)
 )
 # The `jax.checkpoint_policies` that take no arguments (the others need names chosen per model).
 REMAT_POLICIES = (
@@ -25,6 +26,7 @@ REMAT_POLICIES = (
     "dots_with_no_batch_dims_saveable", "checkpoint_dots_with_no_batch_dims",
 )
 DEFAULT_LORA_TARGETS = ("*self_attn.*", "*routed_expert_*_proj", "*shared_experts.*", "*.mlp.*")
+EXPERT_LORA_TARGET = "*.experts"  # adds the routed experts' adapters to the targets
 
 
 class Batch(NamedTuple):

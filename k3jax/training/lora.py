@@ -7,25 +7,24 @@ flax's `nnx.LoRA` is not used because it has no alpha / r scaling, lays A, B out
 against the release's [out, in] weights and has no notion of the stacked layer axis of scanned
 groups (adapters here carry the base's leading axes, one adapter per layer). Dropout draws from a
 per-module `LoRADropoutKey` state the trainer refreshes every step, so the forward stays a pure
-function of the model. The routed experts are not targetable (they are 3-D stacks, and packed
-MXFP4 in the release); they stay frozen.
+function of the model. The routed experts (3-D stacks, packed MXFP4 in the release) get per-expert
+adapters when a target pattern names their `experts` module (k3jax/training/expert_lora.py); the
+default targets leave them frozen.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.nn.layers import F32, Linear, linear
+from k3jax.nn.moe import PackedRoutedExperts, RoutedExperts
 from k3jax.training.config import LORA_TARGETABLE
-
-
-class LoRADropoutKey(nnx.Variable):
-    """Raw PRNG key data (uint32 [..., 2], one key per stacked layer) for a LoRA module's dropout."""
+from k3jax.training.expert_lora import LoRARoutedExperts
+from k3jax.training.lora_dropout import LoRADropoutKey, lora_dropout
 
 
 class LoRALinear(nnx.Module):
@@ -47,8 +46,7 @@ class LoRALinear(nnx.Module):
         y = linear(x, self.weight[...])
         h = x
         if self.dropout_key is not None and not self.deterministic:
-            keep = jax.random.bernoulli(jax.random.wrap_key_data(self.dropout_key[...]), 1.0 - self.dropout, x.shape)
-            h = jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros((), x.dtype)).astype(x.dtype)
+            h = lora_dropout(x, self.dropout_key[...], self.dropout)
         delta = linear(linear(h, self.lora_a[...]), self.lora_b[...])
         return (y.astype(F32) + self.scale * delta.astype(F32)).astype(y.dtype)
 
@@ -70,46 +68,45 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _parent(model: nnx.Module, path: tuple) -> nnx.Module:
+    for p in path[:-1]:
+        model = model[p] if isinstance(p, int) else getattr(model, p)
+    return model
+
+
 def add_lora(model: nnx.Module, *, rank: int, alpha: float, dropout: float, targets: tuple[str, ...], seed: int) -> list[str]:
     """Replace every targetable `Linear` whose module path matches a pattern of `targets` by a
-    `LoRALinear` (in place). Returns the adapted module paths; no match at all is an error."""
+    `LoRALinear`, and the routed experts of a matching `experts` path (e.g. pattern '*.experts') by
+    `LoRARoutedExperts` (in place). Returns the adapted module paths; no match at all is an error."""
     adapted: list[str] = []
     key = jax.random.key(seed)
     for path, module in list(nnx.iter_modules(model)):
         name = module_name(path)
-        if not isinstance(module, Linear) or not path or not _matches(name, targets):
-            continue
-        if str(path[-1]) not in LORA_TARGETABLE:
+        if not path or not _matches(name, targets) or str(path[-1]) not in LORA_TARGETABLE:
             continue  # AttnRes queries, lm_head: read as raw weights, not called as projections
-        parent = model
-        for p in path[:-1]:
-            parent = parent[p] if isinstance(p, int) else getattr(parent, p)
-        key, sub = jax.random.split(key)
-        setattr(parent, path[-1], LoRALinear(module, rank=rank, alpha=alpha, dropout=dropout, key=sub))
+        parent = _parent(model, path)
+        if isinstance(module, Linear):
+            key, sub = jax.random.split(key)
+            setattr(parent, path[-1], LoRALinear(module, rank=rank, alpha=alpha, dropout=dropout, key=sub))
+        elif isinstance(module, (RoutedExperts, PackedRoutedExperts)):
+            key, sub = jax.random.split(key)
+            dtype = parent.routed_expert_down_proj.weight.dtype  # the layer's compute dtype
+            setattr(parent, path[-1], LoRARoutedExperts(module, rank=rank, alpha=alpha, dropout=dropout,
+                                                         dtype=dtype, key=sub))
+        else:
+            continue
         adapted.append(name)
     if not adapted:
         raise ValueError(f"TrainConfig.lora_targets: {targets} match no projection; LoRA can wrap "
-                         f"modules named {LORA_TARGETABLE} (paths such as 'head_layers.1.self_attn.q_proj')")
+                         f"modules named {LORA_TARGETABLE} (paths such as 'head_layers.1.self_attn.q_proj', "
+                         f"'group_layers.0.block_sparse_moe.experts')")
     return adapted
 
 
 def merge_lora(model: nnx.Module) -> nnx.Module:
-    """Fold every `LoRALinear` back into a plain `Linear` (in place); returns `model`."""
+    """Fold every `LoRALinear` back into a plain `Linear` and every `LoRARoutedExperts` into dense
+    `RoutedExperts` (in place); returns `model`."""
     for path, module in list(nnx.iter_modules(model)):
-        if isinstance(module, LoRALinear):
-            parent = model
-            for p in path[:-1]:
-                parent = parent[p] if isinstance(p, int) else getattr(parent, p)
-            setattr(parent, path[-1], module.merged())
+        if isinstance(module, (LoRALinear, LoRARoutedExperts)):
+            setattr(_parent(model, path), path[-1], module.merged())
     return model
-
-
-def refresh_dropout_keys(keys: object, step_key: jax.Array) -> object:
-    """New dropout key data for every `LoRADropoutKey` leaf of a state tree (distinct per leaf and layer)."""
-    leaves, treedef = jax.tree.flatten(keys)
-    fresh = []
-    for i, leaf in enumerate(leaves):
-        n = max(1, math.prod(leaf.shape) // 2)
-        data = jax.random.key_data(jax.random.split(jax.random.fold_in(step_key, i), n))
-        fresh.append(data.reshape(leaf.shape).astype(jnp.uint32))
-    return jax.tree.unflatten(treedef, fresh)

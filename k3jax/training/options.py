@@ -41,6 +41,7 @@ class FinetuneOptions:
     optimizer: str = "adamw"
     lora_rank: int = 0  # 0: full fine-tuning
     lora_alpha: float | None = None  # None: the trainer's default
+    lora_experts: bool = False  # LoRA also on the routed experts (per-expert adapters; exported dense bf16)
     remat: str = "none"  # a jax.checkpoint_policies name applied to every decoder layer, or "none"
     dtype: str = "float32"  # parameters and activations of the loaded model
     mesh: str | None = None  # e.g. "data=2,tensor=4"; None: one device
@@ -73,6 +74,11 @@ class FinetuneOptions:
         if self.lora_alpha is not None and not (isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0
                                                 and math.isfinite(self.lora_alpha)):
             raise ValueError(f"--lora-alpha {self.lora_alpha!r}: expected a finite number > 0")
+        if not isinstance(self.lora_experts, bool):
+            raise ValueError(f"--lora-experts {self.lora_experts!r}: expected a bool")
+        if self.lora_experts and not self.lora_rank:
+            raise ValueError("--lora-experts: needs --lora-rank > 0 "
+                             "(full fine-tuning already trains the routed experts)")
         for field, allowed in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("dtype", DTYPES),
                                ("remat", ("none", *REMAT_POLICIES))):
             if getattr(self, field) not in allowed:

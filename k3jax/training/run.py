@@ -40,9 +40,10 @@ from k3jax.training.data import PackedBatches, fingerprint, read_documents, spli
 from k3jax.training.interrupt import StepBoundaryInterrupt
 from k3jax.training.options import FinetuneOptions, read_recorded
 from k3jax.training.progress import MetricsLog, ProgressBar, plot_losses, read_metrics
-from k3jax.training.config import Batch, TrainConfig
+from k3jax.training.config import DEFAULT_LORA_TARGETS, EXPERT_LORA_TARGET, Batch, TrainConfig
 from k3jax.training.step import Trainer
 from sharding import make_mesh, parse_mesh_spec
+from sharding.rules import DEFAULT_RULES
 
 # Files of a release directory that are not weights: copied into OUT/final so it is a complete model.
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -73,6 +74,8 @@ def _trainer_config(options: FinetuneOptions) -> TrainConfig:
                   lora_rank=options.lora_rank, remat=options.remat)
     if options.lora_alpha is not None:
         wanted["lora_alpha"] = options.lora_alpha
+    if options.lora_experts:
+        wanted["lora_targets"] = (*DEFAULT_LORA_TARGETS, EXPERT_LORA_TARGET)
     return TrainConfig(**{k: v for k, v in wanted.items() if k in fields})
 
 
@@ -195,12 +198,14 @@ class _Run:
     def export(self) -> Path:
         """OUT/final: the trained (LoRA-merged) model as a release; routed experts MXFP4 when they were not
         trained (LoRA: packed ones byte for byte, dense ones re-encoded, which is exact for decoded MXFP4),
-        else as trained, in bf16."""
+        else as trained, in bf16 (full fine-tuning; `lora_experts`: their adapters folded in, since
+        W + s B A is not MXFP4-representable and re-encoding it would round the adapters away)."""
         final = self.out / "final"
         if final.exists():  # a resumed run that had finished exports again
             shutil.rmtree(final)
         config = json.loads((self.source / "config.json").read_text())
-        write_model_release(final, config, self.trainer.merged_model(), pack_experts=self.options.lora_rank > 0)
+        write_model_release(final, config, self.trainer.merged_model(), 
+                            pack_experts=self.options.lora_rank > 0 and not self.options.lora_experts)
         for name in TOKENIZER_FILES:
             if (self.source / name).is_file():
                 shutil.copy2(self.source / name, final / name)
@@ -239,6 +244,9 @@ def finetune(model: str | Path | K3Model, data: str | Path, out: str | Path, *, 
             parse_mesh_spec(opts.mesh, jax.device_count())
         except ValueError as err:
             raise ValueError(f"--mesh {opts.mesh}: {err}") from None
+        if opts.lora_experts and parse_mesh_spec(opts.mesh, jax.device_count()).get(DEFAULT_RULES["exp"], 1) > 1:
+            raise ValueError(f"--lora-experts: the adapted routed experts do not run expert-parallel; "
+                             f"use a --mesh without an expert axis (got {opts.mesh})")
     if isinstance(model, K3Model):
         if source is None:
             raise ValueError("finetune(model, ...): pass source= the directory the model was loaded from (its "

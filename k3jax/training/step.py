@@ -26,10 +26,11 @@ from jax.sharding import Mesh
 
 from k3jax.model import K3Model, run_model
 from k3jax.nn.decoder import DecoderLayer
-from k3jax.nn.moe import RouterBias
+from k3jax.nn.moe import LatentMoE, RouterBias
 from k3jax.training.balance import load_imbalance, quantile_balance
 from k3jax.training.config import Batch, TrainConfig
-from k3jax.training.lora import LoRADropoutKey, LoRALinear, add_lora, merge_lora, refresh_dropout_keys
+from k3jax.training.lora import LoRALinear, LoRARoutedExperts, add_lora, merge_lora
+from k3jax.training.lora_dropout import LoRADropoutKey, refresh_dropout_keys
 from k3jax.training.loss import LossSums, chunked_cross_entropy
 from k3jax.training.optim import learning_rate_schedule, make_optimizer, path_name
 from sharding.rules import DEFAULT_RULES
@@ -105,6 +106,10 @@ class Trainer:
                                                dropout=config.lora_dropout, targets=config.lora_targets, seed=seed))
         if mesh is not None:
             model = shard_model(model, mesh)
+            if any(isinstance(m, LatentMoE) and m.expert_mesh is not None and isinstance(m.experts, LoRARoutedExperts)
+                   for _, m in nnx.iter_modules(model)):
+                raise ValueError(f"TrainConfig.lora_targets: LoRA on the routed experts ('*.experts') does not run "
+                                 f"expert-parallel; use a mesh without an expert axis (got {dict(mesh.shape)})")
         self.model_config = model.config
 
         def trainable(path: tuple, value: Any) -> bool:
@@ -118,7 +123,7 @@ class Trainer:
         if not jax.tree.leaves(params):
             raise ValueError(f"TrainConfig.freeze: {config.freeze} leaves nothing to train")
         for _, module in nnx.iter_modules(model):
-            if isinstance(module, LoRALinear):
+            if isinstance(module, (LoRALinear, LoRARoutedExperts)):
                 module.deterministic = True
         self._eval_graphdef = nnx.split(model, trainable, RouterBias, LoRADropoutKey, ...)[0]
         self._templates = (_abstract(params), _abstract(bias), _abstract(keys))

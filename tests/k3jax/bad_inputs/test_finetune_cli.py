@@ -52,6 +52,9 @@ CASES = [
     (["--weight-decay", "-0.1"], "--weight-decay -0.1: expected a finite number >= 0"),
     (["--eval-data", "/nonexistent.jsonl"], "--eval-data /nonexistent.jsonl: no such file"),
     (["--mesh", "data=3"], "--mesh data=3: "),
+    (["--lora-experts"], "--lora-experts: needs --lora-rank > 0"),
+    (["--lora-rank", "2", "--lora-experts", "--mesh", "expert=8"],
+     "--lora-experts: the adapted routed experts do not run expert-parallel; use a --mesh without an expert axis"),
 ]
 
 
@@ -89,3 +92,9 @@ def test_bad_data_is_named_before_loading(no_load, tmp_path, capsys):
 def test_missing_model_config_exit_1(no_load, data, tmp_path, capsys):
     code = _main(["finetune", "--model", str(tmp_path), "--data", str(data), "--out", str(tmp_path / "o")])
     assert code == 1 and "config.json" in capsys.readouterr().err
+
+
+def test_lora_experts_must_be_a_bool(no_load, data, tmp_path):
+    with pytest.raises(ValueError, match=r"^--lora-experts 'yes': expected a bool$"):
+        run.finetune(GOLDEN_DIR, data, tmp_path / "out", lora_rank=2, lora_experts="yes")
+    assert not (tmp_path / "out").exists()
