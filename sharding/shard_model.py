@@ -55,9 +55,12 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
     """The model with every parameter placed on `mesh` by `rules` (a new tree; `model` is unchanged).
 
     When `exp` lands on a mesh axis of size > 1, the MoE layers are told the mesh, so their routed
-    experts run expert-parallel under shard_map rather than as a GSPMD-partitioned ragged_dot."""
+    experts run expert-parallel under shard_map rather than as a GSPMD-partitioned ragged_dot; when
+    `cache_length` does, the MLA layers are, so their decode runs context-parallel under shard_map
+    (sharding/context_parallel.py) rather than as GSPMD-partitioned attention."""
     sharded = jax.device_put(model, param_shardings(model, mesh, rules))
     enable_expert_parallelism(sharded, mesh, rules)
+    enable_context_parallelism(sharded, mesh, rules)
     return sharded
 
 
@@ -70,6 +73,18 @@ def enable_expert_parallelism(model: nnx.Module, mesh: Mesh, rules: Rules = DEFA
     for _, module in nnx.iter_modules(model):
         if hasattr(module, "expert_mesh"):
             module.expert_mesh = mesh
+
+
+def enable_context_parallelism(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> None:
+    """Give every module with a `context_mesh` attribute (the MLA layers) the mesh and the axis the
+    cache's positions (`cache_length`) split over, if that is one mesh axis of size > 1 (in place;
+    static attributes)."""
+    axis = rules.get("cache_length")
+    if axis is None or not isinstance(axis, str) or mesh.shape.get(axis, 1) == 1:
+        return
+    for _, module in nnx.iter_modules(model):
+        if hasattr(module, "context_mesh"):
+            module.context_mesh, module.context_axis = mesh, axis
 
 
 def cache_shardings(cache: object, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> object:
