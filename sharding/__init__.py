@@ -11,7 +11,7 @@ per layer merges the devices' partial softmaxes), once `shard_model` / `enable_c
 has given the MLA layers the mesh.
 """
 
-from sharding.context_parallel import context_parallel_absorbed_attention
+from sharding.context_parallel import ContextParallel, context_parallel_absorbed_attention
 from sharding.expert_parallel import ep_routed_experts
 from sharding.mesh import DEFAULT_SPEC, MESH_AXES, abstract_mesh, make_mesh, mesh_device_count, parse_mesh_spec
 from sharding.rules import DEFAULT_RULES, Rules, logical_to_spec
@@ -21,7 +21,7 @@ from sharding.shard_model import (
 )
 
 __all__ = [
-    "DEFAULT_RULES", "DEFAULT_SPEC", "abstract_mesh", "MESH_AXES", "Rules", "cache_shardings",
+    "ContextParallel", "DEFAULT_RULES", "DEFAULT_SPEC", "abstract_mesh", "MESH_AXES", "Rules", "cache_shardings",
     "context_parallel_absorbed_attention", "enable_context_parallelism", "enable_expert_parallelism",
     "ep_routed_experts", "logical_to_spec", "make_mesh", "mesh_device_count", "param_shardings", "parse_mesh_spec",
     "shard_batch", "shard_cache", "shard_model",

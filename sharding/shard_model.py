@@ -11,6 +11,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from sharding.context_parallel import ContextParallel
 from sharding.rules import DEFAULT_RULES, Rules, logical_to_spec
 
 LOGICAL_AXES = "LOGICAL_AXES"  # class attribute of a cache NamedTuple: {field: logical axes}
@@ -76,15 +77,21 @@ def enable_expert_parallelism(model: nnx.Module, mesh: Mesh, rules: Rules = DEFA
 
 
 def enable_context_parallelism(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> None:
-    """Give every module with a `context_mesh` attribute (the MLA layers) the mesh and the axis the
-    cache's positions (`cache_length`) split over, if that is one mesh axis of size > 1 (in place;
-    static attributes)."""
+    """Give every module with a `context_parallel` attribute (the MLA layers) a `ContextParallel`: the
+    mesh, the axis the cache's positions (`cache_length`) split over, and the axes of the batch
+    (`activation_batch`) and of the heads (`mla_proj`), if positions split over one mesh axis of
+    size > 1 (in place; a static attribute)."""
     axis = rules.get("cache_length")
     if axis is None or not isinstance(axis, str) or mesh.shape.get(axis, 1) == 1:
         return
+    setting = ContextParallel(mesh, axis, _axes(rules.get("activation_batch")), _axes(rules.get("mla_proj")))
     for _, module in nnx.iter_modules(model):
-        if hasattr(module, "context_mesh"):
-            module.context_mesh, module.context_axis = mesh, axis
+        if hasattr(module, "context_parallel"):
+            module.context_parallel = setting
+
+
+def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def cache_shardings(cache: object, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> object:

@@ -9,7 +9,7 @@ decode runs in the absorbed form: W_UK folded into the query, W_UV applied after
 latents (`pallas_kernels.mla.absorbed_attention`). Softmax and scores are fp32.
 
 Context parallelism: when `sharding.shard_model` / `enable_context_parallelism` has given the layer a
-mesh whose `context_axis` splits the cache's positions, decode runs
+`ContextParallel` whose axis splits the cache's positions, decode runs
 `sharding.context_parallel_absorbed_attention` under shard_map (each device attends over its own
 positions; one all-gather per layer merges the partials). Prefill stays with GSPMD.
 """
@@ -21,13 +21,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
 
 from k3jax.config import MLA_LOW_RANK_NORM_EPS, K3Config
 from k3jax.kernels import Kernels
 from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm
 from pallas_kernels.mla import absorbed_attention, mla_prefill_attention
-from sharding.context_parallel import context_parallel_absorbed_attention
+from sharding.context_parallel import ContextParallel
 
 
 class MLACache(NamedTuple):
@@ -62,8 +61,7 @@ class GatedMLA(nnx.Module):
         self.kernels = kernels  # static: which MLA prefill attention runs
         # Set by `sharding.shard_model` when the mesh splits the cache's positions (`cache_length`):
         # decode then runs context-parallel under shard_map (sharding/context_parallel.py).
-        self.context_mesh: Mesh | None = None
-        self.context_axis: str | None = None
+        self.context_parallel: ContextParallel | None = None
 
     def __call__(
         self, x: jax.Array, cache: MLACache | None = None, position: jax.Array | int = 0,
@@ -107,16 +105,10 @@ class GatedMLA(nnx.Module):
         q32 = q.astype(F32)
         q_latent = jnp.einsum("bthd,hdr->bthr", q32[..., : self.nope_dim], w_uk, precision=HIGHEST)
         q_pe = q32[..., self.nope_dim :]
-        if self._context_split(latents.shape[1]):
-            o = context_parallel_absorbed_attention(q_latent, q_pe, latents, w_uv, scale=self.scale,
-                                                    position=position, start=start, mesh=self.context_mesh,
-                                                    axis=self.context_axis)
+        if self.context_parallel is not None and self.context_parallel.splits(latents.shape[1]):
+            o = self.context_parallel.attend(q_latent, q_pe, latents, w_uv, scale=self.scale, position=position,
+                                             start=start)
             return o.astype(q.dtype)
         query_pos = position + jnp.arange(q.shape[1])
         o_latent = absorbed_attention(q_latent, q_pe, latents, scale=self.scale, query_pos=query_pos, start=start)
         return jnp.einsum("bthr,hvr->bthv", o_latent, w_uv, precision=HIGHEST).astype(q.dtype)
-
-    def _context_split(self, capacity: int) -> bool:
-        """Whether the cache's positions split over the context axis (as `sharding.shard_cache` splits
-        them: only when they divide evenly)."""
-        return self.context_mesh is not None and capacity % self.context_mesh.shape[self.context_axis] == 0
