@@ -46,7 +46,8 @@ DEFAULT_RULES: Rules = MappingProxyType({
     "activation_batch": ("data", "fsdp"),
     # The MLA cache's sequence axis: context parallelism. At batch 1 nothing else splits the latent
     # cache (29 GB at 1M tokens for K3), so `context` devices each hold 1/context of the positions;
-    # GSPMD partitions the attention over them (partial max / sum / output per shard, then reduced).
+    # decode attends per shard under shard_map and merges with one all-gather (context_parallel.py),
+    # GSPMD partitions prefill's attention.
     "cache_length": "context",
     # The stacked layer axis of scanned groups: never split (each scan step needs its whole layer).
     "layers": None,

@@ -11,6 +11,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from sharding.context_parallel import ContextParallel
 from sharding.rules import DEFAULT_RULES, Rules, logical_to_spec
 
 LOGICAL_AXES = "LOGICAL_AXES"  # class attribute of a cache NamedTuple: {field: logical axes}
@@ -55,9 +56,12 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
     """The model with every parameter placed on `mesh` by `rules` (a new tree; `model` is unchanged).
 
     When `exp` lands on a mesh axis of size > 1, the MoE layers are told the mesh, so their routed
-    experts run expert-parallel under shard_map rather than as a GSPMD-partitioned ragged_dot."""
+    experts run expert-parallel under shard_map rather than as a GSPMD-partitioned ragged_dot; when
+    `cache_length` does, the MLA layers are, so their decode runs context-parallel under shard_map
+    (sharding/context_parallel.py) rather than as GSPMD-partitioned attention."""
     sharded = jax.device_put(model, param_shardings(model, mesh, rules))
     enable_expert_parallelism(sharded, mesh, rules)
+    enable_context_parallelism(sharded, mesh, rules)
     return sharded
 
 
@@ -70,6 +74,24 @@ def enable_expert_parallelism(model: nnx.Module, mesh: Mesh, rules: Rules = DEFA
     for _, module in nnx.iter_modules(model):
         if hasattr(module, "expert_mesh"):
             module.expert_mesh = mesh
+
+
+def enable_context_parallelism(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> None:
+    """Give every module with a `context_parallel` attribute (the MLA layers) a `ContextParallel`: the
+    mesh, the axis the cache's positions (`cache_length`) split over, and the axes of the batch
+    (`activation_batch`) and of the heads (`mla_proj`), if positions split over one mesh axis of
+    size > 1 (in place; a static attribute)."""
+    axis = rules.get("cache_length")
+    if axis is None or not isinstance(axis, str) or mesh.shape.get(axis, 1) == 1:
+        return
+    setting = ContextParallel(mesh, axis, _axes(rules.get("activation_batch")), _axes(rules.get("mla_proj")))
+    for _, module in nnx.iter_modules(model):
+        if hasattr(module, "context_parallel"):
+            module.context_parallel = setting
+
+
+def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def cache_shardings(cache: object, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> object:

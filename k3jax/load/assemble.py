@@ -5,7 +5,8 @@
 
 A source only says how to make one item's leaves (`ReadItem`); everything else is here, once: the
 order of items and leaves and the stacking of scan groups (`checkpoint.names`), the shardings
-(`placement`), the cast to each leaf's dtype, and expert parallelism on a mesh that splits experts.
+(`placement`), the cast to each leaf's dtype, and expert (context) parallelism on a mesh that splits
+experts (the MLA cache's positions).
 Without a mesh, each item's leaves go to the device as soon as they are made, so the host holds
 about one item at a time.
 """
@@ -23,7 +24,7 @@ from k3jax.checkpoint.names import Slot, abstract_items, model_slots, path_names
 from k3jax.checkpoint.safetensors_index import CheckpointError
 from k3jax.load.placement import check_mesh, leaf_shardings, slot_shardings, stack_into
 from k3jax.model import K3Model
-from sharding import enable_expert_parallelism
+from sharding import enable_context_parallelism, enable_expert_parallelism
 
 # (item, its leaves' slots and per-layer abstract arrays, each leaf's sharding or None without a mesh)
 # -> {leaf name: array}: host arrays, or jax.Arrays already in the given shardings.
@@ -60,6 +61,7 @@ def load_model(abstract: K3Model, read_item: ReadItem, mesh: Mesh | None = None)
 
     model = assemble_model(abstract, fetch, stack)
     enable_expert_parallelism(model, mesh)
+    enable_context_parallelism(model, mesh)
     return model
 
 

@@ -6,7 +6,12 @@ The cache holds the per-token latent (normalised c_kv || k_pe). Prefill (and the
 cache) runs `pallas_kernels.mla.mla_prefill_attention`, which expands per-head keys/values from the
 latents and attends flash-style (no [T, S] scores; implementation from `Kernels.mla`); single-token
 decode runs in the absorbed form: W_UK folded into the query, W_UV applied after attending over the
-latents. Softmax and scores are fp32.
+latents (`pallas_kernels.mla.absorbed_attention`). Softmax and scores are fp32.
+
+Context parallelism: when `sharding.shard_model` / `enable_context_parallelism` has given the layer a
+`ContextParallel` whose axis splits the cache's positions, decode runs
+`sharding.context_parallel_absorbed_attention` under shard_map (each device attends over its own
+positions; one all-gather per layer merges the partials). Prefill stays with GSPMD.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from flax import nnx
 from k3jax.config import MLA_LOW_RANK_NORM_EPS, K3Config
 from k3jax.kernels import Kernels
 from k3jax.nn.layers import F32, HIGHEST, Linear, RMSNorm
-from pallas_kernels.mla import attention_mask, mla_prefill_attention
+from pallas_kernels.mla import absorbed_attention, mla_prefill_attention
+from sharding.context_parallel import ContextParallel
 
 
 class MLACache(NamedTuple):
@@ -53,6 +59,9 @@ class GatedMLA(nnx.Module):
         self.nope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
         self.scale = cfg.qk_head_dim**-0.5
         self.kernels = kernels  # static: which MLA prefill attention runs
+        # Set by `sharding.shard_model` when the mesh splits the cache's positions (`cache_length`):
+        # decode then runs context-parallel under shard_map (sharding/context_parallel.py).
+        self.context_parallel: ContextParallel | None = None
 
     def __call__(
         self, x: jax.Array, cache: MLACache | None = None, position: jax.Array | int = 0,
@@ -77,8 +86,7 @@ class GatedMLA(nnx.Module):
         else:
             latents = jax.lax.dynamic_update_slice_in_dim(cache.latent, latent.astype(cache.latent.dtype), position, 1)
         if cache is not None and seq == 1:
-            mask = attention_mask(position + jnp.arange(seq), jnp.arange(latents.shape[1]), start)[:, None]
-            o = self._attend_absorbed(q, latents, mask)
+            o = self._attend_absorbed(q, latents, position, start)
         else:
             # Without a cache the queries are the whole sequence: offset 0, known statically.
             offset = position if cache is not None else 0
@@ -89,16 +97,18 @@ class GatedMLA(nnx.Module):
         o = o * jax.nn.sigmoid(self.g_proj(x))
         return self.o_proj(o), (MLACache(latents) if cache is not None else None)
 
-    def _attend_absorbed(self, q: jax.Array, latents: jax.Array, mask: jax.Array) -> jax.Array:
+    def _attend_absorbed(self, q: jax.Array, latents: jax.Array, position: jax.Array | int,
+                         start: jax.Array | None) -> jax.Array:
         """Attention in latent space: scores q_nope W_UK . c + q_pe . k_pe; output (p . c) W_UV^T. fp32."""
         w = self.kv_b_proj.weight[...].astype(F32).reshape(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
         q32 = q.astype(F32)
-        c = latents[..., : self.kv_lora_rank].astype(F32)
-        k_pe = latents[..., self.kv_lora_rank :].astype(F32)
         q_latent = jnp.einsum("bthd,hdr->bthr", q32[..., : self.nope_dim], w_uk, precision=HIGHEST)
-        scores = jnp.einsum("bthr,bsr->bhts", q_latent, c, precision=HIGHEST)
-        scores = scores + jnp.einsum("bthd,bsd->bhts", q32[..., self.nope_dim :], k_pe, precision=HIGHEST)
-        probs = jax.nn.softmax(jnp.where(mask, scores * self.scale, -jnp.inf), axis=-1)
-        o_latent = jnp.einsum("bhts,bsr->bthr", probs, c, precision=HIGHEST)
+        q_pe = q32[..., self.nope_dim :]
+        if self.context_parallel is not None and self.context_parallel.splits(latents.shape[1]):
+            o = self.context_parallel.attend(q_latent, q_pe, latents, w_uv, scale=self.scale, position=position,
+                                             start=start)
+            return o.astype(q.dtype)
+        query_pos = position + jnp.arange(q.shape[1])
+        o_latent = absorbed_attention(q_latent, q_pe, latents, scale=self.scale, query_pos=query_pos, start=start)
         return jnp.einsum("bthr,hvr->bthv", o_latent, w_uv, precision=HIGHEST).astype(q.dtype)
