@@ -10,8 +10,6 @@ checksums need the all-gather path. The result must be the single-host conversio
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
 
 import jax
 import numpy as np
@@ -19,26 +17,15 @@ import numpy as np
 import k3jax
 from k3jax.checkpoint.store import COMPLETE, ITEMS, MANIFEST
 from k3jax.cli import main
-from tests.k3jax.convert.conftest import k3jax_command, subprocess_env
+from tests.k3jax.convert.conftest import k3jax_command
+from tests.local_job import start_local_job
 
 MESH = "expert=4,tensor=2"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_write_the_single_host_conversion(tmp_path, golden_dir, converted_fp32):
-    out, port = tmp_path / "out", _free_port()
-    command = k3jax_command("convert", golden_dir, out, "--dtype", "float32", "--mesh", MESH, "--quiet")
-    procs = [
-        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={
-            **subprocess_env(), "JAX_NUM_CPU_DEVICES": "4", "K3JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
-            "K3JAX_NUM_PROCESSES": "2", "K3JAX_PROCESS_ID": str(rank)})
-        for rank in range(2)
-    ]
+    out = tmp_path / "out"
+    procs = start_local_job(k3jax_command("convert", golden_dir, out, "--dtype", "float32", "--mesh", MESH, "--quiet"))
     try:
         logs = [proc.communicate(timeout=600)[0] for proc in procs]
     finally:

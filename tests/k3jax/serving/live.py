@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import socket
 import threading
 import time
 from pathlib import Path
@@ -13,12 +12,7 @@ import uvicorn
 from k3jax.serving.app import create_app
 from k3jax.serving.command import build_state
 from k3jax.serving.state import ServerState
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.local_job import free_port
 
 
 class LiveServer:

@@ -8,7 +8,6 @@ processes must exit 0 (the leader's stop reaches the follower).
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -21,23 +20,17 @@ import pytest
 
 import k3jax
 from tests.conftest import GOLDEN_DIR
-from tests.k3jax.serving.live import free_port
+from tests.local_job import free_port, start_local_job
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 MESH = "expert=4,tensor=2"
 NEW = 5
 PROMPT_LENGTH = 9
 
 
 def _start_pod(http_port: int) -> list[subprocess.Popen]:
-    coordinator = free_port()
-    command = [sys.executable, "-m", "k3jax", "serve", "--model", str(GOLDEN_DIR), "--mesh", MESH,
-               "--dtype", "float32", "--port", str(http_port), "--max-batch", "4", "--max-len", "64",
-               "--prefill-chunk", "16", "--prefix-cache-mib", "16"]
-    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4",
-           "K3JAX_COORDINATOR_ADDRESS": f"localhost:{coordinator}", "K3JAX_NUM_PROCESSES": "2"}
-    return [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**env, "K3JAX_PROCESS_ID": str(rank)}) for rank in range(2)]
+    return start_local_job([sys.executable, "-m", "k3jax", "serve", "--model", str(GOLDEN_DIR), "--mesh", MESH,
+                            "--dtype", "float32", "--port", str(http_port), "--max-batch", "4", "--max-len", "64",
+                            "--prefill-chunk", "16", "--prefix-cache-mib", "16"])
 
 
 def _wait_healthy(url: str, procs: list[subprocess.Popen], seconds: float = 240) -> None:
