@@ -1,13 +1,13 @@
 """MLA prefill attention at K3's shapes: the blockwise pure-JAX op ("xla"), cuDNN flash attention
-("cudnn", keys/values expanded first, values padded to the key size; whole prompts only) and the
+("cudnn", keys/values expanded first, values padded to the key size; a chunk at a cache offset
+passes an explicit [B, 1, T, S] mask) and the
 previous XLA path (all keys expanded, [heads, 1024, S] fp32 scores per query chunk), in one job on
 one device.
 
 K3: 96 heads, key 128 nope + 64 rope = 192, value 128, latent rank 512. Cases: a whole prompt of T
 tokens (T = S) and the last chunk of a chunked prefill (T = 8192 new tokens after S - T cached).
-Every output is compared with the blockwise op's (bf16 rel-RMS): the "cudnn" row is its check on
-the GPU before it may become the GPU default (pallas_kernels/mla/dispatch.py). FLOP/s counts the
-causal pairs.
+Every output is compared with the blockwise op's (bf16 rel-RMS): the "cudnn" row is the GPU check
+of the policy's GPU default (pallas_kernels/mla/dispatch.py). FLOP/s counts the causal pairs.
 
     PYTHONPATH=. python benchmarks/mla_prefill.py --out mla_prefill.json          # GPU
     PYTHONPATH=. python benchmarks/mla_prefill.py --smoke --out /tmp/mla.json     # CPU, tiny shapes
@@ -74,9 +74,6 @@ def run_case(dims: dict, seq: int, keys: int, reps: int, smoke: bool) -> dict:
     case = {"T": seq, "S": keys, "offset": offset, "runs": {}}
     reference = None
     for name, fn in implementations(smoke).items():
-        if name.startswith("cudnn") and offset:
-            case["runs"][name] = {"skipped": "cuDNN takes whole prompts only (pallas_kernels/mla/cudnn.py)"}
-            continue
         # A chunk's offset is traced, as in the model (the cache length); a whole prompt's is 0.
         call = jax.jit(lambda q, lat, w, o, fn=fn: fn(q=q, latents=lat, w_kv_b=w, nope_dim=n, scale=(n + p) ** -0.5,
                                                       q_offset=o if offset else 0))

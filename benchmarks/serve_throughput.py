@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/kimi_k3.json")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--clients", default="1,16,64", help="comma-separated concurrency levels")
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per client")
     parser.add_argument("--new", type=int, default=128, help="tokens generated per client")

@@ -6,8 +6,9 @@ layers and experts (benchmarks/e2e_reduced_k3.py builds it the same way), random
 * LoRA step (rank 16, the trainer's default targets) with the routed experts MXFP4-packed and frozen,
   at `--layers` / `--experts` (default 8 / 32): what fine-tuning K3 itself runs;
 * full fine-tuning step (every weight trained, fp32 masters and AdamW moments) at `--full-layers` /
-  `--full-experts` (default 4 / 8: fp32 masters and moments of the 8-layer, 32-expert model need about
-  18 bytes per parameter, more than one GPU holds).
+  `--full-experts`: about 18 bytes per parameter, so at full width only a multi-GPU mesh holds it (the
+  embedding and LM head alone are 2.35 G parameters; `k3jax plan --train full` says how much). `--modes`
+  picks which steps run.
 
 Each step is timed with the dispatch policy's kernels (on GPU the Pallas KDA and grouped-GEMM kernels) and
 with the pure-XLA implementations; the kernels' gain is the difference. MFU = model FLOP/s / the dense bf16
@@ -42,7 +43,7 @@ from k3jax.model import K3Model
 from k3jax.nn.moe import pack_routed_experts
 from k3jax.training import Batch, TrainConfig, Trainer
 
-KERNELS = {"policy": Kernels(), "xla": Kernels(kda="xla", kda_decode="xla", moe="xla")}
+KERNELS = {"policy": Kernels(), "xla": Kernels(kda="xla", kda_decode="xla", moe="xla", mla="xla")}
 
 
 def matmul_tflops(n: int, reps: int) -> float:
@@ -119,6 +120,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--matmul", type=int, default=8192)
     parser.add_argument("--kernels", default="policy,xla")
+    parser.add_argument("--modes", default="lora,full", help="comma-separated: lora, full")
     parser.add_argument("--smoke", action="store_true", help="CPU: the packaged tiny config, short rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -133,7 +135,10 @@ def main() -> None:
                "remat": args.remat, "runs": []}
     print(f"dense bf16 matmul {args.matmul}^3: {peak:.1f} TFLOP/s", flush=True)
     cases = [("lora", args.layers, args.experts, True), ("full", args.full_layers, args.full_experts, False)]
-    for mode, layers, experts, packed in cases:
+    modes = args.modes.split(",")
+    if not set(modes) <= {"lora", "full"}:
+        parser.error(f"--modes: expected lora and/or full, got {args.modes!r}")
+    for mode, layers, experts, packed in (case for case in cases if case[0] in modes):
         cfg = dataclasses.replace(reduced_config(args.config, layers, experts), dtype="bfloat16")
         for name in args.kernels.split(","):
             model = K3Model.init(cfg, seed=0, kernels=KERNELS[name])

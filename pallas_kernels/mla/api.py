@@ -43,6 +43,7 @@ def mla_prefill_attention(q: jax.Array, latents: jax.Array, w_kv_b: jax.Array, *
         raise ValueError(f"mla_prefill_attention: segment_ids are for a whole cache-free sequence: expected "
                          f"[{batch}, {seq}] with no q_offset, got {segment_ids.shape} (latents {latents.shape})")
     impl = choose("mla_prefill_attention", IMPLEMENTATIONS, implementation, cached=cached,
-                  left_padding=start is not None, segments=segment_ids is not None, dtype=q.dtype, qk_dim=qk_dim)
+                  left_padding=start is not None, segments=segment_ids is not None, dtype=q.dtype, qk_dim=qk_dim,
+                  mask_elements=batch * seq * latents.shape[1])
     extra = {} if segment_ids is None else {"segment_ids": segment_ids}
     return impl.run(q, latents, w_kv_b, nope_dim=nope_dim, scale=scale, q_offset=q_offset, start=start, **extra)

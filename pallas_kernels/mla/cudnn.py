@@ -1,16 +1,20 @@
-"""MLA prefill attention on cuDNN's fused flash attention (`jax.nn.dot_product_attention`), for a
-whole prompt without a cache (queries and keys at the same positions 0..T-1).
+"""MLA prefill attention on cuDNN's fused flash attention (`jax.nn.dot_product_attention`).
 
 cuDNN takes one head size for keys and values, so the values (V = 128) are zero-padded to the key
 size (N + P = 192) and the output sliced back: the padded columns add nothing to the result. The
-per-head keys and values of all T positions are expanded from the latents first (cuDNN reads
-per-head keys), though never the [T, T] scores.
+per-head keys and values of all S positions are expanded from the latents first (cuDNN reads
+per-head keys), though never the per-head [T, S] scores.
 
-Why only that case: cuDNN's causal mask is aligned at the top left and its padding mask hides keys
-from the END of a row. A chunk at a cache offset would be two calls merged by their log-sum-exps,
-which this API returns rounded to the output dtype (bf16: about 3% error in the merge weights at
-typical magnitudes); left padding needs a mask from the START of a row, which it has no form of. Such
-problems go to the blockwise implementation (see dispatch).
+A whole prompt (queries at 0..T-1 over keys 0..T-1, no left padding) uses cuDNN's own causal mask.
+Anything else — a chunk continuing a cache, left-padded rows — passes the exact visibility of
+``reference.attention_mask`` as a boolean mask [B, 1, T, S] shared by every head: cuDNN's causal
+mask is aligned at the top left (it has no offset into the keys) and its padding mask hides keys at
+the END of a row, so neither can express those problems. Splitting a chunk into "cache" and "own
+keys" calls merged by their log-sum-exps is not an option either: this API returns the log-sum-exp
+rounded to the output dtype, about 3% error in bf16 merge weights. The mask costs B x T x S bytes
+(and cuDNN's bias made from it twice that), so dispatch bounds it (``CUDNN_MAX_MASK_ELEMENTS``).
+Keys past the last query are masked, not skipped: a chunk at the start of a large cache does work
+over the whole cache.
 """
 
 from __future__ import annotations
@@ -18,20 +22,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mla.reference import expand_keys_values
+from pallas_kernels.mla.reference import attention_mask, expand_keys_values
 
 
 def cudnn_mla_attention(q: jax.Array, latents: jax.Array, w_kv_b: jax.Array, *, nope_dim: int, scale: float,
                         q_offset: int | jax.Array = 0, start: jax.Array | None = None,
                         implementation: str = "cudnn") -> jax.Array:
     """-> [B, T, H, V]. `implementation` "xla" runs the same call through XLA's attention (tests on CPU)."""
-    if start is not None or not isinstance(q_offset, int) or q_offset != 0 or latents.shape[1] != q.shape[1]:
-        raise ValueError("cudnn_mla_attention: only a whole prompt without a cache or left padding "
-                         f"(q_offset 0, S == T); got q_offset={q_offset!r}, T={q.shape[1]}, S={latents.shape[1]}, "
-                         f"start {'given' if start is not None else 'None'}")
     heads, qk_dim = q.shape[2], q.shape[3]
     value_dim = w_kv_b.shape[0] // heads - nope_dim
     k, v = expand_keys_values(latents, w_kv_b, heads, nope_dim, q.dtype)
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, qk_dim - value_dim)))
-    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=implementation)
+    whole_prompt = isinstance(q_offset, int) and q_offset == 0 and latents.shape[1] == q.shape[1]
+    if whole_prompt and start is None:
+        out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=implementation)
+    else:
+        mask = attention_mask(q_offset + jnp.arange(q.shape[1]), jnp.arange(latents.shape[1]), start)
+        mask = jnp.broadcast_to(mask, (q.shape[0], *mask.shape[1:]))[:, None]
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
     return out[..., :value_dim]

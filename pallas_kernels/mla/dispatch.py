@@ -1,14 +1,13 @@
 """The implementations of MLA prefill attention and which problems each runs
 (``pallas_kernels/dispatch.py`` is the mechanism and the policy).
 
-Order is the policy's preference: "cudnn" (cuDNN's fused flash attention) where it supports the
-call, else "xla", the blockwise pure-JAX path that runs everywhere (CPU, TPU, GPU) and takes every
-problem. "cudnn" runs on GPU when named; it becomes a GPU default (``default_on``) once
-``benchmarks/mla_prefill.py`` has verified it there against "xla".
+Order is the policy's preference: "cudnn" (cuDNN's fused flash attention, the GPU default, checked
+against "xla" by ``benchmarks/mla_prefill.py``) where it supports the call, else "xla", the blockwise
+pure-JAX path that runs everywhere (CPU, TPU, GPU) and takes every problem.
 
-The problem: ``(cached, left_padding, segments, dtype, qk_dim)``; ``cached``: the queries continue a cache
-(chunked prefill) rather than being the whole sequence (see ``cudnn.py`` for why cuDNN takes only
-the latter).
+The problem: ``(cached, left_padding, segments, dtype, qk_dim, mask_elements)``; ``cached``: the queries
+continue a cache (chunked prefill) rather than being the whole sequence; ``mask_elements``: B x T x S,
+the size of the mask cuDNN needs for a cached or left-padded call (see ``cudnn.py``).
 """
 
 from __future__ import annotations
@@ -23,16 +22,19 @@ from pallas_kernels.platform import PLATFORMS
 _ALL = frozenset(PLATFORMS)
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 CUDNN_MAX_HEAD_DIM = 256
+# A cached or left-padded call materialises a [B, 1, T, S] mask and cuDNN's bias from it (3 bytes an
+# element): past 2^31 elements (a 8192-token chunk over a 256K cache) the blockwise path, which holds
+# no such array, is the better trade.
+CUDNN_MAX_MASK_ELEMENTS = 1 << 31
 
 
 def cudnn_supports(*, cached: bool, left_padding: bool, segments: bool, dtype: jnp.dtype, qk_dim: int,
-                   **_: object) -> str | None:
+                   mask_elements: int, **_: object) -> str | None:
     if segments:
-        return "packed documents need a per-document mask; this path passes cuDNN none"
-    if cached:
-        return "a chunk continuing a cache needs a causal mask offset into the keys, which cuDNN's lacks"
-    if left_padding:
-        return "left padding needs a mask from the start of each row, which cuDNN's attention masks lack"
+        return "packed documents (training rows) stay on the blockwise path, whose gradient is tested"
+    if (cached or left_padding) and mask_elements > CUDNN_MAX_MASK_ELEMENTS:
+        return (f"a cached or left-padded call needs a [B, 1, T, S] mask of {mask_elements} elements, over "
+                f"the {CUDNN_MAX_MASK_ELEMENTS} this path allows")
     if jnp.dtype(dtype) not in CUDNN_DTYPES:
         return f"cuDNN flash attention takes bf16 or fp16, got {jnp.dtype(dtype)}"
     if qk_dim % 8 or qk_dim > CUDNN_MAX_HEAD_DIM:
@@ -46,6 +48,7 @@ def _cudnn(*args, **kwargs):
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
-    "cudnn": Implementation("cudnn", _cudnn, frozenset({"gpu"}), supports=cudnn_supports),
+    "cudnn": Implementation("cudnn", _cudnn, frozenset({"gpu"}), default_on=frozenset({"gpu"}),
+                            supports=cudnn_supports),
     "xla": Implementation("xla", blockwise_mla_attention, _ALL, default_on=_ALL),
 }

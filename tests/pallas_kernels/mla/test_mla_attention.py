@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 from pallas_kernels.mla import (  # noqa: E402
     IMPLEMENTATIONS, blockwise_mla_attention, cudnn_mla_attention, mla_prefill_attention, naive_mla_attention,
 )
-from pallas_kernels.mla.dispatch import cudnn_supports  # noqa: E402
+from pallas_kernels.mla.dispatch import CUDNN_MAX_MASK_ELEMENTS, cudnn_supports  # noqa: E402
 
 H, N, P, V, R = 3, 8, 4, 6, 10
 SCALE = (N + P) ** -0.5
@@ -66,10 +66,9 @@ CUDNN_AS_XLA = lambda **kw: cudnn_mla_attention(**kw, implementation="xla")  # n
 CASES = [(13, 13, 0, None), (9, 40, 17, None), (9, 40, 17, (20, 3)), (13, 13, 0, (5, 0))]
 
 
-# The cuDNN call (value padding, causal mask; run through XLA's attention on CPU) takes whole
-# prompts only (dispatch sends the rest elsewhere).
-RUNS = [(name, *case) for name in ("blockwise", "naive", "cudnn_as_xla") for case in CASES
-        if name != "cudnn_as_xla" or case[2:] == (0, None)]
+# The cuDNN call (value padding; cuDNN's causal mask for a whole prompt, an explicit mask otherwise)
+# runs through XLA's attention on CPU.
+RUNS = [(name, *case) for name in ("blockwise", "naive", "cudnn_as_xla") for case in CASES]
 
 
 @pytest.mark.parametrize("name,seq,keys,offset,start", RUNS)
@@ -83,13 +82,13 @@ def test_matches_numpy(name, seq, keys, offset, start):
     assert rel(out, numpy_attention(q, latents, w, offset, start)) <= TOL
 
 
-def test_hidden_keys_are_never_read():
+@pytest.mark.parametrize("fn", [BLOCKWISE, CUDNN_AS_XLA], ids=["blockwise", "cudnn_as_xla"])
+def test_hidden_keys_are_never_read(fn):
     """Exact masking: keys after the last query (unwritten cache rows) and left pads may hold anything
     (row 0's queries 17..19 are pads themselves and see their own keys, so its garbage stops at 17)."""
     q, latents, w = problem(9, 40)
     start = jnp.asarray([20, 3], jnp.int32)
-    run = jax.jit(lambda lat: BLOCKWISE(q=q, latents=lat, w_kv_b=w, nope_dim=N, scale=SCALE, q_offset=17,
-                                        start=start))
+    run = jax.jit(lambda lat: fn(q=q, latents=lat, w_kv_b=w, nope_dim=N, scale=SCALE, q_offset=17, start=start))
     garbage = latents.at[:, 26:].set(1e4).at[0, :17].set(-7e3).at[1, :3].set(5e3)
     np.testing.assert_array_equal(run(latents), run(garbage))
 
@@ -115,15 +114,17 @@ def test_policy_and_cudnn_limits():
     assert list(IMPLEMENTATIONS) == ["cudnn", "xla"]
     with pytest.raises(NotImplementedError, match="runs on"):
         mla_prefill_attention(q, latents, w, nope_dim=N, scale=SCALE, implementation="cudnn")
-    k3 = dict(cached=False, left_padding=False, segments=False, dtype=jnp.bfloat16, qk_dim=192)
+    # A 128K-token whole prompt needs no mask; an 8192-token chunk over a 128K cache a 2^30-element one.
+    k3 = dict(cached=False, left_padding=False, segments=False, dtype=jnp.bfloat16, qk_dim=192,
+              mask_elements=(1 << 17) ** 2)
     assert cudnn_supports(**k3) is None
-    assert "document" in cudnn_supports(**{**k3, "segments": True})
-    assert "cache" in cudnn_supports(**{**k3, "cached": True})
-    assert "left padding" in cudnn_supports(**{**k3, "left_padding": True})
+    assert cudnn_supports(**{**k3, "cached": True, "mask_elements": 8192 << 17}) is None
+    assert cudnn_supports(**{**k3, "left_padding": True, "mask_elements": 8192 << 17}) is None
+    for flag in ("cached", "left_padding"):
+        assert "mask of" in cudnn_supports(**{**k3, flag: True, "mask_elements": CUDNN_MAX_MASK_ELEMENTS + 1})
+    assert "documents" in cudnn_supports(**{**k3, "segments": True})
     assert "bf16" in cudnn_supports(**{**k3, "dtype": jnp.float32})
     assert "head sizes" in cudnn_supports(**{**k3, "qk_dim": 576})
-    with pytest.raises(ValueError, match="only a whole prompt"):
-        cudnn_mla_attention(q, latents, w, nope_dim=N, scale=SCALE, q_offset=jnp.int32(0), implementation="xla")
 
 
 @pytest.mark.parametrize("attend", [naive_mla_attention, BLOCKWISE, mla_prefill_attention])
