@@ -11,7 +11,8 @@ latents (`pallas_kernels.mla.absorbed_attention`). Softmax and scores are fp32.
 Context parallelism: when `sharding.shard_model` / `enable_context_parallelism` has given the layer a
 `ContextParallel` whose axis splits the cache's positions, decode runs
 `sharding.context_parallel_absorbed_attention` under shard_map (each device attends over its own
-positions; one all-gather per layer merges the partials). Prefill stays with GSPMD.
+positions; one all-gather per layer merges the partials). Prefill stays with GSPMD, on the blockwise
+op unless `Kernels.mla` names another.
 """
 
 from __future__ import annotations
@@ -90,9 +91,14 @@ class GatedMLA(nnx.Module):
         else:
             # Without a cache the queries are the whole sequence: offset 0, known statically.
             offset = position if cache is not None else 0
+            # A cache split over a context axis reaches this call sharded along its positions, which
+            # cuDNN's partitioning refuses: unless named, such layers take the blockwise op.
+            implementation = self.kernels.mla
+            if implementation is None and self.context_parallel is not None:
+                implementation = "xla"
             o = mla_prefill_attention(q, latents.astype(q.dtype), self.kv_b_proj.weight[...],
                                       nope_dim=self.nope_dim, scale=self.scale, q_offset=offset, start=start,
-                                      segment_ids=segments, implementation=self.kernels.mla)
+                                      segment_ids=segments, implementation=implementation)
         o = o.reshape(batch, seq, self.num_heads * self.v_dim)
         o = o * jax.nn.sigmoid(self.g_proj(x))
         return self.o_proj(o), (MLACache(latents) if cache is not None else None)
