@@ -4,7 +4,7 @@ The Trainer is built inside `jax.eval_shape` on `K3Model.init` (routed experts p
 so its own code runs unchanged on shapes: the remat policy, `add_lora` (LoRA mode), `shard_model`
 (which also turns on expert parallelism), the split into trained / router-bias / frozen leaves, the
 fp32 masters and `make_optimizer`'s optax state. Nothing is allocated. The trainer's state is then
-replaced by its sharded abstract counterpart and the step is lowered (`Trainer._step`, the jitted
+replaced by its sharded abstract counterpart and the step is lowered (`Trainer.lower_step`, the jitted
 program `Trainer.step` runs) over ShapeDtypeStructs carrying the NamedShardings the trainer's
 arrays would have (`sharding.param_shardings` for the model's leaves; masters and moments take
 their parameter's layout, as in the trainer; step, rng and optimizer counts replicated).
@@ -120,20 +120,21 @@ def abstract_trainer(cfg: K3Config, mesh: Mesh, *, experts: str, kernels: Kernel
         if experts == "mxfp4":
             model = pack_routed_experts(model)
         built["trainer"] = Trainer(model, config, mesh=mesh, seed=seed)
-        return built["trainer"]._state, built["trainer"]._frozen
+        return built["trainer"].state(), built["trainer"].frozen_state()
 
     state, frozen = jax.eval_shape(build)
     trainer = built["trainer"]
     replicated = NamedSharding(mesh, PartitionSpec())
-    params_t, bias_t, _ = trainer._templates
+    params_t, bias_t = trainer.trained_templates()
     masters = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding),
                            nnx.to_pure_dict(_placed(params_t, mesh)))
     whole = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)  # noqa: E731
     abstract = {"step": whole(state["step"]), "rng": whole(state["rng"]), "params": masters,
                 "opt_state": _like_params(state["opt_state"], masters, replicated),
                 "router_bias": nnx.to_pure_dict(_placed(bias_t, mesh))}
-    trainer._state, trainer._frozen = abstract, _placed(frozen, mesh)  # drop the trace's values
-    return AbstractTrainer(trainer, abstract, trainer._frozen)
+    # The trainer's own state still holds the trace's abstract values; the step is only ever lowered
+    # on these sharded stand-ins.
+    return AbstractTrainer(trainer, abstract, _placed(frozen, mesh))
 
 
 def train_lowering(planned: AbstractTrainer, mesh: Mesh, *, batch: int, seq_len: int) -> Lowering:
@@ -142,4 +143,4 @@ def train_lowering(planned: AbstractTrainer, mesh: Mesh, *, batch: int, seq_len:
     sharding = named_sharding(("activation_batch", None), (batch, seq_len), mesh, DEFAULT_RULES)
     ids = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=sharding)
     rows = Batch(ids, ids, jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=sharding), ids)
-    return lambda: planned.trainer._step.lower(planned.state, planned.frozen, rows, packed=True)
+    return lambda: planned.trainer.lower_step(planned.state, planned.frozen, rows, packed=True)

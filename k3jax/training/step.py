@@ -254,6 +254,19 @@ class Trainer:
         (optax), router_bias (pure dict). Frozen weights are not in it: they come from the model."""
         return self._state
 
+    def frozen_state(self) -> nnx.State:
+        """The leaves every step reads but never updates (the frozen base, MXFP4 codes), as passed to it."""
+        return self._frozen
+
+    def trained_templates(self) -> tuple[nnx.State, nnx.State]:
+        """Shapes and dtypes (in the model's layout) of the trained leaves and of the router biases."""
+        return self._templates[0], self._templates[1]
+
+    def lower_step(self, state: dict, frozen: nnx.State, batch: Batch, *, packed: bool) -> jax.stages.Lowered:
+        """The training step lowered on `state` / `frozen` / `batch` (arrays or ShapeDtypeStructs carrying
+        shardings), not run: what `k3jax plan --train` compiles to read its memory."""
+        return self._step.lower(state, frozen, batch, packed=packed)
+
     def restore(self, state: dict) -> None:
         """Resume from a `state()` pytree (e.g. restored by Orbax); structure, shapes and dtypes must match."""
         expected = jax.tree.structure(self._state)
