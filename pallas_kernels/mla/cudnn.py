@@ -12,7 +12,8 @@ mask is aligned at the top left (it has no offset into the keys) and its padding
 the END of a row, so neither can express those problems. Splitting a chunk into "cache" and "own
 keys" calls merged by their log-sum-exps is not an option either: this API returns the log-sum-exp
 rounded to the output dtype, about 3% error in bf16 merge weights. The mask costs B x T x S bytes
-(and cuDNN's bias made from it twice that), so dispatch bounds it (``CUDNN_MAX_MASK_ELEMENTS``).
+(and cuDNN's bias made from it twice that), so dispatch bounds it (``CUDNN_MAX_MASK_ELEMENTS``); dispatch
+names the two cases "cudnn" and "cudnn_masked".
 Keys past the last query are masked, not skipped: a chunk at the start of a large cache does work
 over the whole cache.
 """

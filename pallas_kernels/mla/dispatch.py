@@ -1,13 +1,16 @@
 """The implementations of MLA prefill attention and which problems each runs
 (``pallas_kernels/dispatch.py`` is the mechanism and the policy).
 
-Order is the policy's preference: "cudnn" (cuDNN's fused flash attention, the GPU default, checked
-against "xla" by ``benchmarks/mla_prefill.py``) where it supports the call, else "xla", the blockwise
-pure-JAX path that runs everywhere (CPU, TPU, GPU) and takes every problem.
+Order is the policy's preference: "cudnn" (cuDNN's fused flash attention with its own causal mask:
+whole prompts without a cache or left padding; the GPU default, checked against "xla" by
+``benchmarks/mla_prefill.py``), "cudnn_masked" (the same call with an explicit [B, 1, T, S] mask, for a
+chunk continuing a cache or left-padded rows; runs on GPU when named, and becomes a default there
+once that benchmark has checked its chunk rows on the GPU), else "xla", the blockwise pure-JAX path
+that runs everywhere (CPU, TPU, GPU) and takes every problem.
 
 The problem: ``(cached, left_padding, segments, dtype, qk_dim, mask_elements)``; ``cached``: the queries
 continue a cache (chunked prefill) rather than being the whole sequence; ``mask_elements``: B x T x S,
-the size of the mask cuDNN needs for a cached or left-padded call (see ``cudnn.py``).
+the size of the mask a cached or left-padded call needs (see ``cudnn.py``).
 """
 
 from __future__ import annotations
@@ -22,25 +25,38 @@ from pallas_kernels.platform import PLATFORMS
 _ALL = frozenset(PLATFORMS)
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 CUDNN_MAX_HEAD_DIM = 256
-# A cached or left-padded call materialises a [B, 1, T, S] mask and cuDNN's bias from it (3 bytes an
-# element): past 2^31 elements (a 8192-token chunk over a 256K cache) the blockwise path, which holds
-# no such array, is the better trade.
+# "cudnn_masked" materialises a [B, 1, T, S] mask and cuDNN's bias from it (3 bytes an element): past
+# 2^31 elements (an 8192-token chunk over a 256K cache) the blockwise path, which holds no such array,
+# is the better trade.
 CUDNN_MAX_MASK_ELEMENTS = 1 << 31
 
 
-def cudnn_supports(*, cached: bool, left_padding: bool, segments: bool, dtype: jnp.dtype, qk_dim: int,
-                   mask_elements: int, **_: object) -> str | None:
-    if segments:
-        return "packed documents (training rows) stay on the blockwise path, whose gradient is tested"
-    if (cached or left_padding) and mask_elements > CUDNN_MAX_MASK_ELEMENTS:
-        return (f"a cached or left-padded call needs a [B, 1, T, S] mask of {mask_elements} elements, over "
-                f"the {CUDNN_MAX_MASK_ELEMENTS} this path allows")
+def _cudnn_operands(*, dtype: jnp.dtype, qk_dim: int) -> str | None:
     if jnp.dtype(dtype) not in CUDNN_DTYPES:
         return f"cuDNN flash attention takes bf16 or fp16, got {jnp.dtype(dtype)}"
     if qk_dim % 8 or qk_dim > CUDNN_MAX_HEAD_DIM:
         return (f"cuDNN flash attention takes head sizes that are multiples of 8 up to {CUDNN_MAX_HEAD_DIM}, "
                 f"got {qk_dim}")
     return None
+
+
+def cudnn_supports(*, cached: bool, left_padding: bool, segments: bool, dtype: jnp.dtype, qk_dim: int,
+                   **_: object) -> str | None:
+    if segments:
+        return "packed documents (training rows) stay on the blockwise path, whose gradient is tested"
+    if cached or left_padding:
+        return "a chunk continuing a cache or left-padded rows need an explicit mask: 'cudnn_masked'"
+    return _cudnn_operands(dtype=dtype, qk_dim=qk_dim)
+
+
+def cudnn_masked_supports(*, segments: bool, dtype: jnp.dtype, qk_dim: int, mask_elements: int,
+                          **_: object) -> str | None:
+    if segments:
+        return "packed documents (training rows) stay on the blockwise path, whose gradient is tested"
+    if mask_elements > CUDNN_MAX_MASK_ELEMENTS:
+        return (f"the call needs a [B, 1, T, S] mask of {mask_elements} elements, over the "
+                f"{CUDNN_MAX_MASK_ELEMENTS} this path allows")
+    return _cudnn_operands(dtype=dtype, qk_dim=qk_dim)
 
 
 def _cudnn(*args, **kwargs):
@@ -50,5 +66,6 @@ def _cudnn(*args, **kwargs):
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "cudnn": Implementation("cudnn", _cudnn, frozenset({"gpu"}), default_on=frozenset({"gpu"}),
                             supports=cudnn_supports),
+    "cudnn_masked": Implementation("cudnn_masked", _cudnn, frozenset({"gpu"}), supports=cudnn_masked_supports),
     "xla": Implementation("xla", blockwise_mla_attention, _ALL, default_on=_ALL),
 }

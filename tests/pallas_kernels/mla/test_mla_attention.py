@@ -19,7 +19,9 @@ import pytest  # noqa: E402
 from pallas_kernels.mla import (  # noqa: E402
     IMPLEMENTATIONS, blockwise_mla_attention, cudnn_mla_attention, mla_prefill_attention, naive_mla_attention,
 )
-from pallas_kernels.mla.dispatch import CUDNN_MAX_MASK_ELEMENTS, cudnn_supports  # noqa: E402
+from pallas_kernels.mla.dispatch import (  # noqa: E402
+    CUDNN_MAX_MASK_ELEMENTS, cudnn_masked_supports, cudnn_supports,
+)
 
 H, N, P, V, R = 3, 8, 4, 6, 10
 SCALE = (N + P) ** -0.5
@@ -111,20 +113,22 @@ def test_policy_and_cudnn_limits():
     q, latents, w = problem(5, 5)
     out = mla_prefill_attention(q, latents, w, nope_dim=N, scale=SCALE)  # CPU policy: blockwise "xla"
     assert rel(out, numpy_attention(q, latents, w, 0, None)) <= TOL
-    assert list(IMPLEMENTATIONS) == ["cudnn", "xla"]
+    assert list(IMPLEMENTATIONS) == ["cudnn", "cudnn_masked", "xla"]
     with pytest.raises(NotImplementedError, match="runs on"):
         mla_prefill_attention(q, latents, w, nope_dim=N, scale=SCALE, implementation="cudnn")
     # A 128K-token whole prompt needs no mask; an 8192-token chunk over a 128K cache a 2^30-element one.
     k3 = dict(cached=False, left_padding=False, segments=False, dtype=jnp.bfloat16, qk_dim=192,
               mask_elements=(1 << 17) ** 2)
     assert cudnn_supports(**k3) is None
-    assert cudnn_supports(**{**k3, "cached": True, "mask_elements": 8192 << 17}) is None
-    assert cudnn_supports(**{**k3, "left_padding": True, "mask_elements": 8192 << 17}) is None
     for flag in ("cached", "left_padding"):
-        assert "mask of" in cudnn_supports(**{**k3, flag: True, "mask_elements": CUDNN_MAX_MASK_ELEMENTS + 1})
-    assert "documents" in cudnn_supports(**{**k3, "segments": True})
-    assert "bf16" in cudnn_supports(**{**k3, "dtype": jnp.float32})
-    assert "head sizes" in cudnn_supports(**{**k3, "qk_dim": 576})
+        assert "cudnn_masked" in cudnn_supports(**{**k3, flag: True})
+        assert cudnn_masked_supports(**{**k3, flag: True, "mask_elements": 8192 << 17}) is None
+        assert "mask of" in cudnn_masked_supports(**{**k3, flag: True, "mask_elements": CUDNN_MAX_MASK_ELEMENTS + 1})
+    chunk = {**k3, "cached": True, "mask_elements": 8192 << 17}
+    for supports, problem_ in ((cudnn_supports, k3), (cudnn_masked_supports, chunk)):
+        assert "documents" in supports(**{**problem_, "segments": True})
+        assert "bf16" in supports(**{**problem_, "dtype": jnp.float32})
+        assert "head sizes" in supports(**{**problem_, "qk_dim": 576})
 
 
 @pytest.mark.parametrize("attend", [naive_mla_attention, BLOCKWISE, mla_prefill_attention])
