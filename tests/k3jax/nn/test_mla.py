@@ -19,6 +19,7 @@ from flax import nnx  # noqa: E402
 
 from k3jax.config import K3Config  # noqa: E402
 from k3jax.kernels import Kernels  # noqa: E402
+import k3jax.nn.mla as mla_module  # noqa: E402
 from k3jax.nn.mla import GatedMLA, MLACache  # noqa: E402
 
 # fp32 vs float64: a chain of five GEMMs over <= 128-term sums (HIGHEST precision on every
@@ -162,3 +163,22 @@ def test_prefill_attention_follows_the_kernel_choice(cfg: K3Config) -> None:
     m.kernels = Kernels(mla="no_such_kernel")
     with pytest.raises(ValueError, match="no_such_kernel"):
         m(jnp.asarray(x))
+
+
+def test_context_split_layer_keeps_the_blockwise_prefill(cfg: K3Config, monkeypatch) -> None:
+    """A layer given a ContextParallel (its cache split over a mesh axis, which cuDNN's partitioning
+    refuses) asks for "xla" unless `Kernels.mla` names an implementation; without one it asks for the
+    policy (None)."""
+    asked = []
+    real = mla_module.mla_prefill_attention
+    monkeypatch.setattr(mla_module, "mla_prefill_attention",
+                        lambda *a, implementation=None, **kw: asked.append(implementation) or real(*a, **kw))
+    x = jnp.asarray(inputs(cfg, 5, seed=2))
+    m = GatedMLA(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    m(x)
+    m.context_parallel = object()  # only its presence matters on the prefill path
+    m(x)
+    m.kernels = Kernels(mla="cudnn")  # named: passed on (and refused on CPU, where cuDNN is absent)
+    with pytest.raises(NotImplementedError, match="runs on"):
+        m(x)
+    assert asked == [None, "xla", "cudnn"]
