@@ -172,7 +172,8 @@ def test_context_split_layer_keeps_the_blockwise_prefill(cfg: K3Config, monkeypa
     asked = []
     real = mla_module.mla_prefill_attention
     monkeypatch.setattr(mla_module, "mla_prefill_attention",
-                        lambda *a, implementation=None, **kw: asked.append(implementation) or real(*a, **kw))
+                        lambda *a, implementation=None, **kw: asked.append(implementation)
+                        or real(*a, implementation=implementation, **kw))
     x = jnp.asarray(inputs(cfg, 5, seed=2))
     m = GatedMLA(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
     m(x)
