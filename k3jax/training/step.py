@@ -52,6 +52,11 @@ def _fill(template: nnx.State, pure: Any, cast: bool = False) -> nnx.State:
     return state
 
 
+def _committed(x: Any) -> Any:
+    """`x` committed to the devices it lies on; a tracer (a Trainer built under `jax.eval_shape`) as is."""
+    return x if isinstance(x, jax.core.Tracer) else jax.device_put(x, x.sharding)
+
+
 def _stats_like(bias: dict, stats: tuple, field: str) -> dict:
     """The `field` of `run_model`'s router stats arranged like the router-bias state's pure dict."""
     parts = {"head_layers": 0, "group_layers": 1, "tail_layers": 2}
@@ -138,6 +143,9 @@ class Trainer:
             "opt_state": self.optimizer.init(masters),
             "router_bias": nnx.to_pure_dict(bias),
         }
+        # Every leaf committed to where it lies, as `restore` places a resumed run's state: an uncommitted
+        # leaf lowers without a sharding annotation, so a fresh and a resumed run would compile two programs.
+        self._state = jax.tree.map(_committed, self._state)
         self._step = jax.jit(self._train_step, donate_argnums=0, static_argnames="packed")
         self._grads = jax.jit(functools.partial(self._accumulate, deterministic=True), static_argnames="packed")
         self._eval = jax.jit(self._eval_sums, static_argnames="packed")

@@ -3,6 +3,8 @@ at every call site (prefill, decode_step, generate), recorded where the model ca
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -11,6 +13,7 @@ from flax import nnx
 import k3jax
 from k3jax.config import K3Config
 from k3jax.kernels import Kernels
+from k3jax.layer_plan import LayerPlan, plan_layers
 from k3jax.model import K3Model
 from k3jax.nn import kda as kda_module
 from k3jax.nn import mla as mla_module
@@ -25,7 +28,17 @@ OPS = {"chunk_kda_fused": kda_module, "kda_decode": kda_module, "routed_experts"
 
 @pytest.fixture(scope="module")
 def cfg() -> K3Config:
-    return K3Config.from_hf(GOLDEN_DIR, dtype="float32")
+    """The golden config cut to 6 layers that keep every kind of place an op is called from: an unrolled
+    head (KDA, dense FFN), two scanned groups of [KDA+MoE, MLA+MoE] and an unrolled tail (MLA+MoE); fewer
+    layers than the golden 13, so each call site compiles sooner."""
+    data = json.loads((GOLDEN_DIR / "config.json").read_text())
+    text = data["text_config"]
+    text["num_hidden_layers"] = 6
+    text["linear_attn_config"]["kda_layers"] = [1, 2, 4]
+    text["linear_attn_config"]["full_attn_layers"] = [3, 5, 6]
+    cfg = K3Config.from_hf(data, dtype="float32")
+    assert plan_layers(cfg.layer_kinds) == LayerPlan(num_layers=6, start=1, period=2, num_groups=2)
+    return cfg
 
 
 def test_kernels_of_accepts_a_kernels_a_mapping_or_none():
@@ -80,14 +93,14 @@ def run_and_record(monkeypatch, model: K3Model) -> dict[str, set[tuple[str, obje
     prompt = jnp.asarray([[5, 6, 7, 8, 9]], jnp.int32)
     by_site = {}
 
-    def site(name: str, run) -> None:
+    def site(name: str, run):
         jax.clear_caches()
         seen.clear()
-        run()
+        result = run()
         by_site[name] = set(seen)
+        return result
 
-    _, cache = k3jax.prefill(model, prompt, capacity=8)  # decode_step's input (donated: used once)
-    site("prefill", lambda: k3jax.prefill(model, prompt, capacity=8))
+    _, cache = site("prefill", lambda: k3jax.prefill(model, prompt, capacity=8))  # decode_step's input (donated)
     site("decode_step", lambda: k3jax.decode_step(model, cache, prompt[:, 0]))
     site("generate", lambda: k3jax.generate(model, prompt, max_new_tokens=3))
     site("generate_streaming", lambda: k3jax.generate(model, prompt, max_new_tokens=3, on_token=lambda t: None))
