@@ -135,7 +135,11 @@ def blockwise_mla_attention(q: jax.Array, latents: jax.Array, w_kv_b: jax.Array,
         first = (q_blocks[0], q_pos[0], None if q_seg is None else q_seg[0], *(c[0] for c in carry))
         _, l, acc = (x[None] for x in fold(k, v, k_pos[0], None if k_seg is None else k_seg[0], first))
     else:
-        (_, l, acc), _ = jax.lax.scan(key_step, carry, (k_blocks, k_pos, k_seg))
+        # Checkpointed per key block: differentiating the scan then saves only each step's running
+        # (max, sum, output) and recomputes the block's scores in the backward pass, as flash attention's
+        # backward does, instead of keeping every block's [B, H, block_q, block_k] fp32 tiles (memory
+        # quadratic in the sequence, which dominated a training step's temporaries at 4K tokens).
+        (_, l, acc), _ = jax.lax.scan(jax.checkpoint(key_step), carry, (k_blocks, k_pos, k_seg))
     # A real query sees at least itself (l > 0); the padding rows of the last query block may see
     # nothing, and their l = 0 must not put 0/0 into the gradient.
     out = acc / jnp.moveaxis(jnp.where(l > 0, l, 1.0), 2, 3)[..., None]
