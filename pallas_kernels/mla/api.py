@@ -10,6 +10,7 @@ import jax
 
 from pallas_kernels.dispatch import choose
 from pallas_kernels.mla.dispatch import IMPLEMENTATIONS
+from pallas_kernels.mla.reference import continues_cache
 
 
 def mla_prefill_attention(q: jax.Array, latents: jax.Array, w_kv_b: jax.Array, *, nope_dim: int, scale: float,
@@ -38,7 +39,7 @@ def mla_prefill_attention(q: jax.Array, latents: jax.Array, w_kv_b: jax.Array, *
         raise ValueError(f"mla_prefill_attention: {seq} queries but only {latents.shape[1]} latent positions")
     if start is not None and start.shape != (batch,):
         raise ValueError(f"mla_prefill_attention: start must be int32 [{batch}], got {start.shape}")
-    cached = not (isinstance(q_offset, int) and q_offset == 0 and latents.shape[1] == seq)
+    cached = continues_cache(q_offset, seq, latents.shape[1])
     if segment_ids is not None and (cached or segment_ids.shape != (batch, seq)):
         raise ValueError(f"mla_prefill_attention: segment_ids are for a whole cache-free sequence: expected "
                          f"[{batch}, {seq}] with no q_offset, got {segment_ids.shape} (latents {latents.shape})")

@@ -12,7 +12,7 @@ mask is aligned at the top left (it has no offset into the keys) and its padding
 the END of a row, so neither can express those problems. Splitting a chunk into "cache" and "own
 keys" calls merged by their log-sum-exps is not an option either: this API returns the log-sum-exp
 rounded to the output dtype, about 3% error in bf16 merge weights. The mask costs B x T x S bytes
-(and cuDNN's bias made from it twice that), so dispatch bounds it (``CUDNN_MAX_MASK_ELEMENTS``); dispatch
+(and cuDNN's bias made from it twice that), so dispatch bounds it (``CUDNN_MAX_MASK_ELEMENTS``) and
 names the two cases "cudnn" and "cudnn_masked".
 Keys past the last query are masked, not skipped: a chunk at the start of a large cache does work
 over the whole cache.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.mla.reference import attention_mask, expand_keys_values
+from pallas_kernels.mla.reference import attention_mask, continues_cache, expand_keys_values
 
 
 def cudnn_mla_attention(q: jax.Array, latents: jax.Array, w_kv_b: jax.Array, *, nope_dim: int, scale: float,
@@ -34,8 +34,7 @@ def cudnn_mla_attention(q: jax.Array, latents: jax.Array, w_kv_b: jax.Array, *, 
     value_dim = w_kv_b.shape[0] // heads - nope_dim
     k, v = expand_keys_values(latents, w_kv_b, heads, nope_dim, q.dtype)
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, qk_dim - value_dim)))
-    whole_prompt = isinstance(q_offset, int) and q_offset == 0 and latents.shape[1] == q.shape[1]
-    if whole_prompt and start is None:
+    if not continues_cache(q_offset, q.shape[1], latents.shape[1]) and start is None:
         out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=implementation)
     else:
         mask = attention_mask(q_offset + jnp.arange(q.shape[1]), jnp.arange(latents.shape[1]), start)

@@ -43,6 +43,12 @@ def attention_mask(query_pos: jax.Array, key_pos: jax.Array, start: jax.Array | 
     return mask
 
 
+def continues_cache(q_offset: int | jax.Array, queries: int, keys: int) -> bool:
+    """Whether T queries at `q_offset` over S keys are a chunk continuing a cache rather than a whole
+    prompt (offset 0, known statically, and S == T)."""
+    return not (isinstance(q_offset, int) and q_offset == 0 and keys == queries)
+
+
 def expand_keys_values(latents: jax.Array, w_kv_b: jax.Array, num_heads: int, nope_dim: int,
                        dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """Latents [B, S, R + P] -> keys [B, S, H, N + P] (k_pe shared by every head) and values [B, S, H, V],
