@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from benchmarks.e2e_reduced_k3 import reduced_config
 from k3jax.assets import tiny_checkpoint
 from k3jax.generate import generate, prefill
+from k3jax.kernels import Kernels
 from k3jax.model import K3Model
 from k3jax.prefill_chunk import default_chunk_size, device_memory_bytes
 
@@ -43,6 +44,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="4096,32768,65536,131072")
     parser.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the device's default)")
     parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--mla", default=None,
+                        help="MLA prefill implementation to name (pallas_kernels/mla/dispatch.py); default: the policy's")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, short prompts, on CPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -55,11 +58,11 @@ def main() -> None:
         cfg = reduced_config(args.config, 4, 8)
         lengths, check_len = [int(x) for x in args.lengths.split(",")], 2048
     assert cfg.mixer_kinds == ("kda", "kda", "kda", "mla"), cfg.mixer_kinds
-    model = K3Model.init(cfg, seed=0)
+    model = K3Model.init(cfg, seed=0, kernels=Kernels(mla=args.mla))
     memory = device_memory_bytes()
     chunk = args.chunk or default_chunk_size(cfg, 1, memory) or (32 if args.smoke else None)
     results = {"device": str(jax.devices()[0]), "memory_bytes": memory, "chunk": chunk,
-               "layers": cfg.num_hidden_layers, "experts": cfg.num_experts, "hidden": cfg.hidden_size, "runs": []}
+               "mla": args.mla or "policy", "layers": cfg.num_hidden_layers, "experts": cfg.num_experts, "hidden": cfg.hidden_size, "runs": []}
     print(json.dumps(results), flush=True)
 
     key = jax.random.key(0)

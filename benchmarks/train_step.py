@@ -147,21 +147,27 @@ def main() -> None:
             active = active_params(model, cfg)
             config = TrainConfig(learning_rate=1e-5, total_steps=1000, lora_rank=args.lora_rank if mode == "lora" else 0,
                                  remat=args.remat)
-            timing = time_step(model, config, random_batch(cfg, args.batch, args.seq_len), args.reps)
-            flops_per_token = (4 if mode == "lora" else 6) * active
-            tflops = timing["tokens_per_s"] * flops_per_token / 1e12
             run = {"mode": mode, "kernels": name, "layers": layers, "experts": experts,
-                   "experts_storage": "mxfp4" if packed else "bf16", "active_params": active, **timing,
-                   "model_tflops": tflops, "mfu": tflops / peak}
+                   "experts_storage": "mxfp4" if packed else "bf16", "active_params": active}
+            try:
+                timing = time_step(model, config, random_batch(cfg, args.batch, args.seq_len), args.reps)
+            except Exception as err:  # noqa: BLE001 - out of memory in one configuration is a result
+                run["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            else:
+                tflops = timing["tokens_per_s"] * (4 if mode == "lora" else 6) * active / 1e12
+                run.update(timing, model_tflops=tflops, mfu=tflops / peak)
             results["runs"].append(run)
             print(json.dumps(run), flush=True)
             del model
     print("\n| step | layers x experts | kernels | ms | tokens/s | model TFLOP/s | MFU |\n|---|---|---|---:|---:|---:|---:|")
     for r in results["runs"]:
+        if "error" in r:
+            print(f"| {r['mode']} | {r['layers']} x {r['experts']} | {r['kernels']} | {r['error'][:80]} | | | |")
+            continue
         print(f"| {r['mode']} ({r['experts_storage']} experts) | {r['layers']} x {r['experts']} | {r['kernels']} | "
               f"{r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['model_tflops']:.1f} | {100 * r['mfu']:.1f}% |")
     for mode in ("lora", "full"):
-        by = {r["kernels"]: r["ms"] for r in results["runs"] if r["mode"] == mode}
+        by = {r["kernels"]: r["ms"] for r in results["runs"] if r["mode"] == mode and "ms" in r}
         if {"policy", "xla"} <= by.keys():
             print(f"{mode}: kernels save {by['xla'] - by['policy']:.1f} ms of {by['xla']:.1f} ms "
                   f"({100 * (1 - by['policy'] / by['xla']):.0f}% of the XLA step)")
