@@ -91,14 +91,11 @@ class GatedMLA(nnx.Module):
         else:
             # Without a cache the queries are the whole sequence: offset 0, known statically.
             offset = position if cache is not None else 0
-            # A cache split over a context axis reaches this call sharded along its positions, which
-            # cuDNN's partitioning refuses: unless named, such layers take the blockwise op.
-            implementation = self.kernels.mla
-            if implementation is None and self.context_parallel is not None:
-                implementation = "xla"
+            # A cache split over a context axis reaches this call sharded along its positions.
             o = mla_prefill_attention(q, latents.astype(q.dtype), self.kv_b_proj.weight[...],
                                       nope_dim=self.nope_dim, scale=self.scale, q_offset=offset, start=start,
-                                      segment_ids=segments, implementation=implementation)
+                                      segment_ids=segments, context_split=self.context_parallel is not None,
+                                      implementation=self.kernels.mla)
         o = o.reshape(batch, seq, self.num_heads * self.v_dim)
         o = o * jax.nn.sigmoid(self.g_proj(x))
         return self.o_proj(o), (MLACache(latents) if cache is not None else None)

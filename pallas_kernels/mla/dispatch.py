@@ -8,9 +8,11 @@ chunk continuing a cache or left-padded rows; runs on GPU when named, and become
 once that benchmark has checked its chunk rows on the GPU), else "xla", the blockwise pure-JAX path
 that runs everywhere (CPU, TPU, GPU) and takes every problem.
 
-The problem: ``(cached, left_padding, segments, dtype, qk_dim, mask_elements)``; ``cached``: the queries
-continue a cache (chunked prefill) rather than being the whole sequence; ``mask_elements``: B x T x S,
-the size of the mask a cached or left-padded call needs (see ``cudnn.py``).
+The problem: ``(cached, left_padding, segments, context_split, dtype, qk_dim, mask_elements)``; ``cached``:
+the queries continue a cache (chunked prefill) rather than being the whole sequence; ``context_split``:
+the latents are sharded along their positions over a mesh axis (context parallelism), which cuDNN's
+custom-call partitioning refuses; ``mask_elements``: B x T x S, the size of the mask a cached or
+left-padded call needs (see ``cudnn.py``).
 """
 
 from __future__ import annotations
@@ -40,19 +42,27 @@ def _cudnn_operands(*, dtype: jnp.dtype, qk_dim: int) -> str | None:
     return None
 
 
-def cudnn_supports(*, cached: bool, left_padding: bool, segments: bool, dtype: jnp.dtype, qk_dim: int,
-                   **_: object) -> str | None:
+def _cudnn_layout(*, segments: bool, context_split: bool) -> str | None:
     if segments:
         return "packed documents (training rows) stay on the blockwise path, whose gradient is tested"
+    if context_split:
+        return "latents split over a context mesh axis: cuDNN's partitioning takes no sequence split"
+    return None
+
+
+def cudnn_supports(*, cached: bool, left_padding: bool, segments: bool, context_split: bool, dtype: jnp.dtype,
+                   qk_dim: int, **_: object) -> str | None:
+    if reason := _cudnn_layout(segments=segments, context_split=context_split):
+        return reason
     if cached or left_padding:
         return "a chunk continuing a cache or left-padded rows need an explicit mask: 'cudnn_masked'"
     return _cudnn_operands(dtype=dtype, qk_dim=qk_dim)
 
 
-def cudnn_masked_supports(*, segments: bool, dtype: jnp.dtype, qk_dim: int, mask_elements: int,
-                          **_: object) -> str | None:
-    if segments:
-        return "packed documents (training rows) stay on the blockwise path, whose gradient is tested"
+def cudnn_masked_supports(*, segments: bool, context_split: bool, dtype: jnp.dtype, qk_dim: int,
+                          mask_elements: int, **_: object) -> str | None:
+    if reason := _cudnn_layout(segments=segments, context_split=context_split):
+        return reason
     if mask_elements > CUDNN_MAX_MASK_ELEMENTS:
         return (f"the call needs a [B, 1, T, S] mask of {mask_elements} elements, over the "
                 f"{CUDNN_MAX_MASK_ELEMENTS} this path allows")

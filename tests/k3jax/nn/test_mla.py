@@ -165,21 +165,23 @@ def test_prefill_attention_follows_the_kernel_choice(cfg: K3Config) -> None:
         m(jnp.asarray(x))
 
 
-def test_context_split_layer_keeps_the_blockwise_prefill(cfg: K3Config, monkeypatch) -> None:
-    """A layer given a ContextParallel (its cache split over a mesh axis, which cuDNN's partitioning
-    refuses) asks for "xla" unless `Kernels.mla` names an implementation; without one it asks for the
-    policy (None)."""
+def test_context_split_layer_tells_the_dispatch(cfg: K3Config, monkeypatch) -> None:
+    """A layer given a ContextParallel (its cache split over a mesh axis) says so to the prefill
+    attention's dispatch, whose cuDNN entries refuse such a problem (test_mla_attention.py); the
+    layer's own choice, `Kernels.mla`, is passed on unchanged."""
     asked = []
     real = mla_module.mla_prefill_attention
-    monkeypatch.setattr(mla_module, "mla_prefill_attention",
-                        lambda *a, implementation=None, **kw: asked.append(implementation)
-                        or real(*a, implementation=implementation, **kw))
+
+    def spy(*args, context_split, implementation, **kwargs):
+        asked.append((context_split, implementation))
+        return real(*args, context_split=context_split, implementation=implementation, **kwargs)
+
+    monkeypatch.setattr(mla_module, "mla_prefill_attention", spy)
     x = jnp.asarray(inputs(cfg, 5, seed=2))
     m = GatedMLA(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
     m(x)
     m.context_parallel = object()  # only its presence matters on the prefill path
     m(x)
-    m.kernels = Kernels(mla="cudnn")  # named: passed on (and refused on CPU, where cuDNN is absent)
-    with pytest.raises(NotImplementedError, match="runs on"):
-        m(x)
-    assert asked == [None, "xla", "cudnn"]
+    m.kernels = Kernels(mla="xla")
+    m(x)
+    assert asked == [(False, None), (True, None), (True, "xla")]

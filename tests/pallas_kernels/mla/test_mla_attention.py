@@ -117,7 +117,7 @@ def test_policy_and_cudnn_limits():
     with pytest.raises(NotImplementedError, match="runs on"):
         mla_prefill_attention(q, latents, w, nope_dim=N, scale=SCALE, implementation="cudnn")
     # A 128K-token whole prompt needs no mask; an 8192-token chunk over a 128K cache a 2^30-element one.
-    k3 = dict(cached=False, left_padding=False, segments=False, dtype=jnp.bfloat16, qk_dim=192,
+    k3 = dict(cached=False, left_padding=False, segments=False, context_split=False, dtype=jnp.bfloat16, qk_dim=192,
               mask_elements=(1 << 17) ** 2)
     assert cudnn_supports(**k3) is None
     for flag in ("cached", "left_padding"):
@@ -127,6 +127,7 @@ def test_policy_and_cudnn_limits():
     chunk = {**k3, "cached": True, "mask_elements": 8192 << 17}
     for supports, problem_ in ((cudnn_supports, k3), (cudnn_masked_supports, chunk)):
         assert "documents" in supports(**{**problem_, "segments": True})
+        assert "context mesh axis" in supports(**{**problem_, "context_split": True})
         assert "bf16" in supports(**{**problem_, "dtype": jnp.float32})
         assert "head sizes" in supports(**{**problem_, "qk_dim": 576})
 
