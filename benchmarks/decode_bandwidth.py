@@ -2,11 +2,11 @@
 1024-token context, at batch 1 / 16 / 64, against the bytes the step must read and the device's copy
 bandwidth measured in the same job; plus a profiler trace of the steps summarised into the top ops.
 
-Bytes a step must read: every non-routed parameter; of the routed experts, the fraction the step's
-router actually picks (distinct experts per MoE layer, read from the step's router ids, over all
-layers); the KDA states (fp32) and conv windows; the MLA latent cache up to the context length. Its
-floor is bytes / bandwidth, where bandwidth = 2 x size / time of a plain device copy of 1 GiB (read +
-write). "% of limit" = floor / measured step time.
+Bytes a step must read: every non-routed parameter (of the token embedding only the batch's rows); of
+the routed experts, the fraction the step's router actually picks (distinct experts per MoE layer,
+read from the step's router ids, over all layers); the KDA states (fp32) and conv windows; the MLA
+latent cache up to the context length. Its floor is bytes / bandwidth, where bandwidth = 2 x size /
+time of a plain device copy of 1 GiB (read + write). "% of limit" = floor / measured step time.
 
 The trace (`jax.profiler.trace`, Perfetto JSON) is summed by event name over the timed steps; the
 top ops by total time go to the printed table and to --out.
@@ -44,17 +44,20 @@ def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def split_param_bytes(model: K3Model) -> tuple[int, int]:
-    """(non-routed parameter bytes, routed expert bytes)."""
+def split_param_bytes(model: K3Model) -> tuple[int, int, int]:
+    """(non-routed parameter bytes but the token embedding, routed expert bytes, bytes of one embedding
+    row): a step reads only its tokens' rows of the embedding table."""
     routed = other = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
         names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
         size = leaf.size * leaf.dtype.itemsize
-        if names & set(ROUTED):
+        if "embed_tokens" in names:
+            row = size // leaf.shape[0]
+        elif names & set(ROUTED):
             routed += size
         else:
             other += size
-    return other, routed
+    return other, routed, row
 
 
 def touched_expert_fraction(model: K3Model, cache, tokens: jax.Array) -> float:
@@ -123,7 +126,7 @@ def main() -> None:
         cfg = reduced_config(args.config, 8, 32)
         batches, context, copy_size = [int(b) for b in args.batches.split(",")], args.context, 1 << 30
     model = K3Model.init(cfg, seed=0)
-    other, routed = split_param_bytes(model)
+    other, routed, embedding_row = split_param_bytes(model)
     bandwidth = copy_bandwidth(copy_size)
     results = {"device": str(jax.devices()[0]), "layers": cfg.num_hidden_layers, "experts": cfg.num_experts,
                "context": context, "copy_bandwidth_bytes_per_s": bandwidth, "non_routed_param_bytes": other,
@@ -135,7 +138,7 @@ def main() -> None:
         _, cache = prefill(model, ids, capacity=context + 4 * args.steps + 8)
         tokens = ids[:, -1]
         fraction = touched_expert_fraction(model, cache, tokens)
-        read = other + int(routed * fraction) + cache_read_bytes(cache, context)
+        read = other + batch * embedding_row + int(routed * fraction) + cache_read_bytes(cache, context)
 
         def steps():
             nonlocal cache

@@ -4,7 +4,7 @@ The reduced full-width K3 of `e2e_reduced_k3.py` (random bf16 weights) serves C 
 (default 1, 16 and 64; the engine has C slots), each with its own random prompt, all submitted at
 once and decoded to `--new` tokens (eos ignored). Reported per level: output tokens/s, time to first
 token (from submission) and inter-token latency, against batched `k3jax.generate` on the same C
-prompts in the same job (one fused prefill + decode program: the ceiling without scheduling). Then a
+prompts in the same job (one fused prefill + decode program: the ceiling without scheduling). First a
 two-turn chat: the second turn's time to first token with the prefix cache (its prompt continues the
 first turn's snapshot) and without it (the whole prompt prefilled again).
 
@@ -144,16 +144,25 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rng = np.random.default_rng(0)
     results = {"device": str(jax.devices()[0]), "layers": model.config.num_hidden_layers,
                "experts": model.config.num_experts, "prompt": args.prompt, "new": args.new, "chunk": args.chunk,
-               "levels": [_level(model, int(c), args, rng) for c in args.clients.split(",")]}
+               "levels": []}
+
+    def record(part: dict) -> None:
+        """Print each part as it finishes and rewrite --out, so a run cut short keeps what it measured."""
+        print(json.dumps(part), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
     results["second_turn"] = {
         "turn_tokens": args.turn,
         "with_prefix_cache_ms": 1e3 * _second_turn_ttft(model, args, rng, cached=True),
         "without_prefix_cache_ms": 1e3 * _second_turn_ttft(model, args, rng, cached=False),
     }
+    record(results["second_turn"])
+    for clients in args.clients.split(","):
+        results["levels"].append(_level(model, int(clients), args, rng))
+        record(results["levels"][-1])
     print(_table(results), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
     return results
 
 
