@@ -51,12 +51,14 @@ def test_extend_in_pieces_equals_full_forward(golden_model_fp32, cuts):
 
 def test_chunked_prefill_equals_one_forward(golden_model_fp32):
     """A 70-token prompt in chunks of 32 (two full chunks and a 6-token remainder): every position's
-    logits, the last position's (the default return), the cache and the next step match the forward."""
-    ids = jnp.asarray(np.random.default_rng(3).integers(0, 512, (2, 71)), jnp.int32)
+    logits, the last position's (the default return), the cache and the next step match the forward.
+    Ids [2, 75] and capacity 75, as in test_prefill_then_decode_equals_full_forward[70], so the forward and
+    the decode step reuse its compiled programs (the 4 spare cache slots change nothing checked here)."""
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 512, (2, 75)), jnp.int32)
     full = np.asarray(golden_model_fp32(ids))
-    every, _ = k3jax.prefill(golden_model_fp32, ids[:, :70], capacity=71, chunk_size=32, return_all_logits=True)
+    every, _ = k3jax.prefill(golden_model_fp32, ids[:, :70], capacity=75, chunk_size=32, return_all_logits=True)
     assert every.shape == (2, 70, 512) and rel_rms(every, full[:, :70]) <= 1e-5
-    last, cache = k3jax.prefill(golden_model_fp32, ids[:, :70], capacity=71, chunk_size=32)
+    last, cache = k3jax.prefill(golden_model_fp32, ids[:, :70], capacity=75, chunk_size=32)
     assert last.shape == (2, 512) and rel_rms(last, full[:, 69]) <= 1e-5
     assert int(cache.length) == 70
     step, _ = k3jax.decode_step(golden_model_fp32, cache, ids[:, 70])
@@ -78,10 +80,15 @@ def test_chunked_left_padded_prefill_equals_unchunked(golden_model_fp32):
 
 
 def test_decode_past_capacity_is_an_error(golden_model_fp32):
-    _, cache = k3jax.prefill(golden_model_fp32, jnp.ones((1, 4), jnp.int32), capacity=5)
-    _, cache = k3jax.decode_step(golden_model_fp32, cache, jnp.ones((1,), jnp.int32))
+    """Steps fill the cache to its last slot, then one more is an error. Shapes as in
+    test_prefill_then_decode_equals_full_forward[3] (batch 2, 3-token prompt, capacity 8), whose compiled
+    prefill and decode step this reuses."""
+    _, cache = k3jax.prefill(golden_model_fp32, jnp.ones((2, 3), jnp.int32), capacity=8, return_all_logits=True)
+    for _ in range(5):
+        _, cache = k3jax.decode_step(golden_model_fp32, cache, jnp.ones((2,), jnp.int32))
+    assert int(cache.length) == 8
     with pytest.raises(ValueError, match="cache is full"):
-        k3jax.decode_step(golden_model_fp32, cache, jnp.ones((1,), jnp.int32))
+        k3jax.decode_step(golden_model_fp32, cache, jnp.ones((2,), jnp.int32))
 
 
 def test_prefill_rejects_small_capacity_and_bad_ids(golden_model_fp32):
@@ -96,10 +103,12 @@ def test_prefill_rejects_small_capacity_and_bad_ids(golden_model_fp32):
 
 
 def test_sampling_is_seeded(golden_model_fp32):
-    prompt = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
-    a = k3jax.generate(golden_model_fp32, prompt, max_new_tokens=6, temperature=1.0, seed=1)
-    b = k3jax.generate(golden_model_fp32, prompt, max_new_tokens=6, temperature=1.0, seed=1)
-    c = k3jax.generate(golden_model_fp32, prompt, max_new_tokens=6, temperature=1.0, seed=2)
+    """A [1, 9] prompt and 4 new tokens: the shapes of test_batched_generation_matches_single's single rows,
+    so the prefill compiles once for both."""
+    prompt = jnp.asarray([[1, 2, 3, 4, 5, 6, 7, 8, 9]], jnp.int32)
+    a = k3jax.generate(golden_model_fp32, prompt, max_new_tokens=4, temperature=1.0, seed=1)
+    b = k3jax.generate(golden_model_fp32, prompt, max_new_tokens=4, temperature=1.0, seed=1)
+    c = k3jax.generate(golden_model_fp32, prompt, max_new_tokens=4, temperature=1.0, seed=2)
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
     with pytest.raises(ValueError, match="max_new_tokens"):
