@@ -45,21 +45,33 @@ def test_full_finetune_learns_and_resumes_exactly():
     _assert_trees_close(_host(trainer.state()), final, 0, 0, "resumed state")
 
 
-def test_grad_accumulation_equals_one_batch():
-    batch = random_batch(4, 24, seed=3)
+@pytest.fixture(scope="module")
+def plain_trainer() -> Trainer:
+    """The unsharded one-batch trainer both gradient comparisons below measure against. `gradients` updates
+    nothing, so the tests share it, and with batches of one shape its gradient program compiles once."""
+    return Trainer(small_model(), TrainConfig())
+
+
+def _packed_batch(seed: int):
+    """4 rows of 32 tokens, each row packing two documents (20 + 12 tokens)."""
+    seg = np.repeat([[1] * 20 + [2] * 12], 4, axis=0).astype(np.int32)
+    return random_batch(4, 32, seed=seed, segments=seg)
+
+
+def test_grad_accumulation_equals_one_batch(plain_trainer):
+    batch = _packed_batch(seed=3)
     batch = batch._replace(loss_mask=batch.loss_mask.at[0, :10].set(0.0))  # unequal token counts per micro-batch
-    loss1, g1 = Trainer(small_model(), TrainConfig()).gradients(batch)
+    loss1, g1 = plain_trainer.gradients(batch)
     loss2, g2 = Trainer(small_model(), TrainConfig(grad_accum_steps=2)).gradients(batch)
     np.testing.assert_allclose(loss2, loss1, rtol=1e-6)
     scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g1))
     _assert_trees_close(g2, g1, 1e-5, 1e-5 * scale, "gradient")
 
 
-def test_sharded_step_equals_unsharded():
+def test_sharded_step_equals_unsharded(plain_trainer):
     """data=2, expert=2 (routed experts under shard_map), tensor=2 on 8 fake CPU devices; packed rows."""
-    seg = np.repeat([[1] * 20 + [2] * 12], 4, axis=0).astype(np.int32)
-    batch = random_batch(4, 32, seed=5, segments=seg)
-    loss, grads = Trainer(small_model(), TrainConfig()).gradients(batch)
+    batch = _packed_batch(seed=5)
+    loss, grads = plain_trainer.gradients(batch)
     sharded = Trainer(small_model(), TrainConfig(), mesh=make_mesh("data=2,expert=2,tensor=2"))
     loss_s, grads_s = sharded.gradients(batch)
     np.testing.assert_allclose(loss_s, loss, rtol=1e-5)
