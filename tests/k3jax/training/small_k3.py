@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from k3jax.config import K3Config
+from k3jax.kernels import Kernels
 from k3jax.model import K3Model
 from k3jax.training import Batch
 from tests.conftest import GOLDEN_DIR
@@ -23,8 +27,21 @@ def small_config(dtype: str = "float32") -> K3Config:
     return K3Config.from_hf(data, dtype=dtype)
 
 
+@functools.cache
+def _initial(dtype: str, seed: int, kernels: Kernels) -> tuple[nnx.GraphDef, nnx.State]:
+    """`K3Model.init` once per process and arguments, its weights kept on the host. The init runs eagerly,
+    one small compiled program per op and shape (~8 s on 2 cores), and tests/conftest.py drops compiled
+    programs after every module, so each module would otherwise pay it again."""
+    graphdef, state = nnx.split(K3Model.init(small_config(dtype), seed=seed, kernels=kernels))
+    return graphdef, jax.tree.map(np.array, state)
+
+
 def small_model(dtype: str = "float32", seed: int = 0, kernels=None) -> K3Model:
-    return K3Model.init(small_config(dtype), seed=seed, kernels=kernels)
+    """A fresh model, weights bit for bit `K3Model.init`'s, in buffers of its own (a test may train it or
+    donate them)."""
+    graphdef, state = _initial(dtype, seed, Kernels.of(kernels))
+    # np.array copies first: on CPU device_put may alias the host buffer, which a donating step would overwrite.
+    return nnx.merge(graphdef, jax.tree.map(lambda x: jax.device_put(np.array(x)), state))
 
 
 def random_batch(rows: int, length: int, *, seed: int = 0, vocab: int = 512, segments: np.ndarray | None = None) -> Batch:
