@@ -53,7 +53,7 @@ def test_chunked_prefill_equals_one_forward(golden_model_fp32):
     """A 70-token prompt in chunks of 32 (two full chunks and a 6-token remainder): every position's
     logits, the last position's (the default return), the cache and the next step match the forward.
     Ids [2, 75] and capacity 75, as in test_prefill_then_decode_equals_full_forward[70], so the forward and
-    the decode step reuse its compiled programs (the 4 spare cache slots change nothing checked here)."""
+    the decode step reuse its compiled programs (free cache slots after the prompt change nothing checked here)."""
     ids = jnp.asarray(np.random.default_rng(3).integers(0, 512, (2, 75)), jnp.int32)
     full = np.asarray(golden_model_fp32(ids))
     every, _ = k3jax.prefill(golden_model_fp32, ids[:, :70], capacity=75, chunk_size=32, return_all_logits=True)
