@@ -1,13 +1,13 @@
 """MLA prefill attention at K3's shapes: the blockwise pure-JAX op ("xla"), cuDNN flash attention
 ("cudnn", keys/values expanded first, values padded to the key size; a chunk at a cache offset
-passes an explicit [B, 1, T, S] mask) and the
-previous XLA path (all keys expanded, [heads, 1024, S] fp32 scores per query chunk), in one job on
-one device.
+passes an explicit [B, 1, T, S] mask), the chunk as two cuDNN calls with built-in masks merged by
+their log-sum-exps ("cudnn two calls", `cudnn_chunk.py`) and the previous XLA path (all keys
+expanded, [heads, 1024, S] fp32 scores per query chunk), in one job on one device.
 
 K3: 96 heads, key 128 nope + 64 rope = 192, value 128, latent rank 512. Cases: a whole prompt of T
 tokens (T = S) and the last chunk of a chunked prefill (T = 8192 new tokens after S - T cached).
 Every output is compared with the blockwise op's (bf16 rel-RMS): the "cudnn" row is the GPU check
-of the policy's GPU default (pallas_kernels/mla/dispatch.py). FLOP/s counts the causal pairs.
+of the policy's GPU defaults (pallas_kernels/mla/dispatch.py). FLOP/s counts the causal pairs.
 
     PYTHONPATH=. python benchmarks/mla_prefill.py --out mla_prefill.json          # GPU
     PYTHONPATH=. python benchmarks/mla_prefill.py --smoke --out /tmp/mla.json     # CPU, tiny shapes
@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from benchmarks.timing import median_ms
 from pallas_kernels.mla import (
-    attention_mask, blockwise_mla_attention, cudnn_mla_attention, expand_keys_values, mla_prefill_attention,
+    attention_mask, blockwise_mla_attention, cudnn_chunk_mla_attention, cudnn_mla_attention, expand_keys_values,
+    mla_prefill_attention,
 )
 
 F32 = jnp.float32
@@ -56,6 +57,7 @@ def implementations(smoke: bool) -> dict:
     return {
         "blockwise (ours, xla)": lambda **kw: blockwise_mla_attention(**kw),
         f"cudnn ({cudnn})": lambda **kw: cudnn_mla_attention(**kw, implementation=cudnn),
+        f"cudnn two calls ({cudnn})": lambda **kw: cudnn_chunk_mla_attention(**kw, implementation=cudnn),
         "previous xla path": old_xla_path,
         "policy": lambda q, latents, w_kv_b, **kw: mla_prefill_attention(q, latents, w_kv_b, **kw),
     }

@@ -9,11 +9,11 @@ A whole prompt (queries at 0..T-1 over keys 0..T-1, no left padding) uses cuDNN'
 Anything else — a chunk continuing a cache, left-padded rows — passes the exact visibility of
 ``reference.attention_mask`` as a boolean mask [B, 1, T, S] shared by every head: cuDNN's causal
 mask is aligned at the top left (it has no offset into the keys) and its padding mask hides keys at
-the END of a row, so neither can express those problems. Splitting a chunk into "cache" and "own
-keys" calls merged by their log-sum-exps is not an option either: this API returns the log-sum-exp
-rounded to the output dtype, about 3% error in bf16 merge weights. The mask costs B x T x S bytes
-(and cuDNN's bias made from it twice that), so dispatch bounds it (``CUDNN_MAX_MASK_ELEMENTS``) and
-names the two cases "cudnn" and "cudnn_masked".
+the END of a row, so neither can express those problems. cuDNN turns the mask into an additive bias
+it reads for every score, a slower kernel than its built-in masks; so the policy runs a chunk continuing a cache
+without left padding as two built-in-mask calls instead (``cudnn_chunk.py``). The
+mask costs B x T x S bytes (and cuDNN's bias made from it twice that), so dispatch bounds it
+(``CUDNN_MAX_MASK_ELEMENTS``) and names the cases "cudnn" and "cudnn_masked".
 Keys past the last query are masked, not skipped: a chunk at the start of a large cache does work
 over the whole cache.
 """

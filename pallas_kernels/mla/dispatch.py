@@ -1,18 +1,19 @@
 """The implementations of MLA prefill attention and which problems each runs
 (``pallas_kernels/dispatch.py`` is the mechanism and the policy).
 
-Order is the policy's preference: "cudnn" (cuDNN's fused flash attention with its own causal mask:
-whole prompts without a cache or left padding; the GPU default, checked against "xla" by
-``benchmarks/mla_prefill.py``), "cudnn_masked" (the same call with an explicit [B, 1, T, S] mask, for a
-chunk continuing a cache or left-padded rows; runs on GPU when named, and becomes a default there
-once that benchmark has checked its chunk rows on the GPU), else "xla", the blockwise pure-JAX path
-that runs everywhere (CPU, TPU, GPU) and takes every problem.
+Order is the policy's preference, all checked against "xla" on the GPU by ``benchmarks/mla_prefill.py``:
+"cudnn" (cuDNN's fused flash attention with its own causal mask: whole prompts without a cache or left
+padding), "cudnn_chunk" (a chunk continuing a cache, rows not left-padded: the cached keys and the
+chunk's own keys in two cuDNN calls with built-in masks, merged by their log-sum-exps; ``cudnn_chunk.py``),
+"cudnn_masked" (one call with an explicit [B, 1, T, S] mask: left-padded rows, with or without a cache),
+else "xla", the blockwise pure-JAX path that runs everywhere (CPU, TPU, GPU) and takes every problem.
+The three cuDNN entries are the GPU defaults.
 
 The problem: ``(cached, left_padding, segments, context_split, dtype, qk_dim, mask_elements)``; ``cached``:
 the queries continue a cache (chunked prefill) rather than being the whole sequence; ``context_split``:
 the latents are sharded along their positions over a mesh axis (context parallelism), which cuDNN's
-custom-call partitioning refuses; ``mask_elements``: B x T x S, the size of the mask a cached or
-left-padded call needs (see ``cudnn.py``).
+custom-call partitioning refuses; ``mask_elements``: B x T x S, the size of the mask a masked call
+needs (see ``cudnn.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.dispatch import Implementation
 from pallas_kernels.mla.cudnn import cudnn_mla_attention
+from pallas_kernels.mla.cudnn_chunk import cudnn_chunk_mla_attention
 from pallas_kernels.mla.reference import blockwise_mla_attention
 from pallas_kernels.platform import PLATFORMS
 
@@ -55,7 +57,19 @@ def cudnn_supports(*, cached: bool, left_padding: bool, segments: bool, context_
     if reason := _cudnn_layout(segments=segments, context_split=context_split):
         return reason
     if cached or left_padding:
-        return "a chunk continuing a cache or left-padded rows need an explicit mask: 'cudnn_masked'"
+        return ("a chunk continuing a cache ('cudnn_chunk') or left-padded rows ('cudnn_masked') need "
+                "other masks than cuDNN's causal one")
+    return _cudnn_operands(dtype=dtype, qk_dim=qk_dim)
+
+
+def cudnn_chunk_supports(*, cached: bool, left_padding: bool, segments: bool, context_split: bool,
+                        dtype: jnp.dtype, qk_dim: int, **_: object) -> str | None:
+    if reason := _cudnn_layout(segments=segments, context_split=context_split):
+        return reason
+    if not cached:
+        return "a whole prompt runs on 'cudnn' (one call, its causal mask)"
+    if left_padding:
+        return "left-padded rows hide keys inside the cache, which needs an explicit mask: 'cudnn_masked'"
     return _cudnn_operands(dtype=dtype, qk_dim=qk_dim)
 
 
@@ -73,9 +87,16 @@ def _cudnn(*args, **kwargs):
     return cudnn_mla_attention(*args, implementation="cudnn", **kwargs)
 
 
+def _cudnn_chunk(*args, **kwargs):
+    return cudnn_chunk_mla_attention(*args, implementation="cudnn", **kwargs)
+
+
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "cudnn": Implementation("cudnn", _cudnn, frozenset({"gpu"}), default_on=frozenset({"gpu"}),
                             supports=cudnn_supports),
-    "cudnn_masked": Implementation("cudnn_masked", _cudnn, frozenset({"gpu"}), supports=cudnn_masked_supports),
+    "cudnn_chunk": Implementation("cudnn_chunk", _cudnn_chunk, frozenset({"gpu"}), default_on=frozenset({"gpu"}),
+                                  supports=cudnn_chunk_supports),
+    "cudnn_masked": Implementation("cudnn_masked", _cudnn, frozenset({"gpu"}), default_on=frozenset({"gpu"}),
+                                   supports=cudnn_masked_supports),
     "xla": Implementation("xla", blockwise_mla_attention, _ALL, default_on=_ALL),
 }

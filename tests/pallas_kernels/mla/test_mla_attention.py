@@ -16,11 +16,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import pallas_kernels.dispatch as dispatch  # noqa: E402
 from pallas_kernels.mla import (  # noqa: E402
-    IMPLEMENTATIONS, blockwise_mla_attention, cudnn_mla_attention, mla_prefill_attention, naive_mla_attention,
+    IMPLEMENTATIONS, blockwise_mla_attention, cudnn_chunk_mla_attention, cudnn_mla_attention, mla_prefill_attention,
+    naive_mla_attention,
 )
 from pallas_kernels.mla.dispatch import (  # noqa: E402
-    CUDNN_MAX_MASK_ELEMENTS, cudnn_masked_supports, cudnn_supports,
+    CUDNN_MAX_MASK_ELEMENTS, cudnn_chunk_supports, cudnn_masked_supports, cudnn_supports,
 )
 
 H, N, P, V, R = 3, 8, 4, 6, 10
@@ -63,19 +65,25 @@ def rel(a, b):
 
 BLOCKWISE = lambda **kw: blockwise_mla_attention(**kw, block_q=4, block_k=5)  # noqa: E731
 CUDNN_AS_XLA = lambda **kw: cudnn_mla_attention(**kw, implementation="xla")  # noqa: E731
+CHUNK_AS_XLA = lambda **kw: cudnn_chunk_mla_attention(**kw, implementation="xla")  # noqa: E731
 # (seq, keys, offset, start): a whole prompt; a chunk at an offset in a larger cache; left padding
 # deeper than the first chunk, and within it.
 CASES = [(13, 13, 0, None), (9, 40, 17, None), (9, 40, 17, (20, 3)), (13, 13, 0, (5, 0))]
+# The two-call chunk (no left padding): the first chunk of a larger cache (no past), one in the middle,
+# and the last (its own keys end the cache).
+CHUNK_CASES = [(9, 40, 0, None), (9, 40, 17, None), (9, 40, 31, None)]
 
 
-# The cuDNN call (value padding; cuDNN's causal mask for a whole prompt, an explicit mask otherwise)
-# runs through XLA's attention on CPU.
+# The cuDNN calls (value padding; cuDNN's causal mask for a whole prompt, an explicit mask otherwise;
+# the chunk's two calls and log-sum-exp merge) run through XLA's attention on CPU.
 RUNS = [(name, *case) for name in ("blockwise", "naive", "cudnn_as_xla") for case in CASES]
+RUNS += [("chunk_as_xla", *case) for case in CHUNK_CASES]
+FNS = {"blockwise": BLOCKWISE, "naive": naive_mla_attention, "cudnn_as_xla": CUDNN_AS_XLA, "chunk_as_xla": CHUNK_AS_XLA}
 
 
 @pytest.mark.parametrize("name,seq,keys,offset,start", RUNS)
 def test_matches_numpy(name, seq, keys, offset, start):
-    fn = {"blockwise": BLOCKWISE, "naive": naive_mla_attention, "cudnn_as_xla": CUDNN_AS_XLA}[name]
+    fn = FNS[name]
     q, latents, w = problem(seq, keys)
     start_arr = None if start is None else jnp.asarray(start, jnp.int32)
     out = jax.jit(lambda q, lat, w: fn(q=q, latents=lat, w_kv_b=w, nope_dim=N, scale=SCALE, q_offset=offset,
@@ -93,6 +101,18 @@ def test_hidden_keys_are_never_read(fn):
     run = jax.jit(lambda lat: fn(q=q, latents=lat, w_kv_b=w, nope_dim=N, scale=SCALE, q_offset=17, start=start))
     garbage = latents.at[:, 26:].set(1e4).at[0, :17].set(-7e3).at[1, :3].set(5e3)
     np.testing.assert_array_equal(run(latents), run(garbage))
+
+
+def test_chunk_never_reads_keys_past_its_last_query():
+    """The two-call chunk: cache rows after the chunk (unwritten) may hold anything; the offset is traced,
+    as the model's cache length is."""
+    q, latents, w = problem(9, 40)
+    run = jax.jit(lambda lat, offset: CHUNK_AS_XLA(q=q, latents=lat, w_kv_b=w, nope_dim=N, scale=SCALE,
+                                                    q_offset=offset))
+    for offset in (0, 17):
+        garbage = latents.at[:, offset + 9:].set(1e4)
+        np.testing.assert_array_equal(run(latents, offset), run(garbage, offset))
+        assert rel(run(latents, offset), numpy_attention(q, latents, w, offset, None)) <= TOL
 
 
 def test_blockwise_gradient_matches_naive():
@@ -113,7 +133,7 @@ def test_policy_and_cudnn_limits():
     q, latents, w = problem(5, 5)
     out = mla_prefill_attention(q, latents, w, nope_dim=N, scale=SCALE)  # CPU policy: blockwise "xla"
     assert rel(out, numpy_attention(q, latents, w, 0, None)) <= TOL
-    assert list(IMPLEMENTATIONS) == ["cudnn", "cudnn_masked", "xla"]
+    assert list(IMPLEMENTATIONS) == ["cudnn", "cudnn_chunk", "cudnn_masked", "xla"]
     with pytest.raises(NotImplementedError, match="runs on"):
         mla_prefill_attention(q, latents, w, nope_dim=N, scale=SCALE, implementation="cudnn")
     # A 128K-token whole prompt needs no mask; an 8192-token chunk over a 128K cache a 2^30-element one.
@@ -125,7 +145,11 @@ def test_policy_and_cudnn_limits():
         assert cudnn_masked_supports(**{**k3, flag: True, "mask_elements": 8192 << 17}) is None
         assert "mask of" in cudnn_masked_supports(**{**k3, flag: True, "mask_elements": CUDNN_MAX_MASK_ELEMENTS + 1})
     chunk = {**k3, "cached": True, "mask_elements": 8192 << 17}
-    for supports, problem_ in ((cudnn_supports, k3), (cudnn_masked_supports, chunk)):
+    # A chunk without left padding: two calls with cuDNN's own masks, no mask array, so no size bound.
+    assert cudnn_chunk_supports(**{**chunk, "mask_elements": CUDNN_MAX_MASK_ELEMENTS * 8}) is None
+    assert "'cudnn'" in cudnn_chunk_supports(**k3)
+    assert "cudnn_masked" in cudnn_chunk_supports(**{**chunk, "left_padding": True})
+    for supports, problem_ in ((cudnn_supports, k3), (cudnn_chunk_supports, chunk), (cudnn_masked_supports, chunk)):
         assert "documents" in supports(**{**problem_, "segments": True})
         assert "context mesh axis" in supports(**{**problem_, "context_split": True})
         assert "bf16" in supports(**{**problem_, "dtype": jnp.float32})
@@ -152,3 +176,18 @@ def test_packed_documents_see_only_their_own_keys(attend):
 def test_bad_inputs_name_the_problem(change, match):
     with pytest.raises(ValueError, match=match):
         mla_prefill_attention(*change(*problem(5, 5)), nope_dim=N, scale=SCALE)
+
+
+def test_gpu_policy_picks_per_problem(monkeypatch):
+    """On the GPU: whole prompts on cuDNN's causal mask, chunks on the two-call merge, left-padded rows
+    on the masked call while its mask is small enough, the blockwise op for the rest."""
+    monkeypatch.setattr(dispatch, "current_platform", lambda: "gpu")
+    base = dict(cached=False, left_padding=False, segments=False, context_split=False, dtype=jnp.bfloat16,
+                qk_dim=192, mask_elements=8192 << 17)
+    cases = [({}, "cudnn"), ({"cached": True}, "cudnn_chunk"), ({"left_padding": True}, "cudnn_masked"),
+             ({"cached": True, "left_padding": True}, "cudnn_masked"),
+             ({"left_padding": True, "mask_elements": CUDNN_MAX_MASK_ELEMENTS + 1}, "xla"),
+             ({"segments": True}, "xla"), ({"cached": True, "context_split": True}, "xla"),
+             ({"cached": True, "dtype": jnp.float32}, "xla")]
+    for change, name in cases:
+        assert dispatch.choose("mla_prefill_attention", IMPLEMENTATIONS, None, **{**base, **change}).name == name
