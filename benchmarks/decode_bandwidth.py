@@ -18,12 +18,8 @@ top ops by total time go to the printed table and to --out.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
-import gzip
 import json
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +27,7 @@ import numpy as np
 
 from benchmarks.e2e_reduced_k3 import reduced_config
 from benchmarks.timing import median_ms
+from benchmarks.trace import traced_ops
 from k3jax.assets import tiny_checkpoint
 from k3jax.generate import _decode_step, prefill
 from k3jax.model import K3Model, run_model
@@ -87,28 +84,6 @@ def copy_bandwidth(size: int) -> float:
     return 2 * x.size * 4 / (ms / 1e3)
 
 
-def summarise_trace(trace_dir: Path, top: int) -> list[dict]:
-    """Total time per event name in the Perfetto trace, device events where the trace has any."""
-    files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("perfetto_trace.json.gz"))
-    if not files:
-        return []
-    with gzip.open(files[-1], "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    names = {e["pid"]: e["args"].get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device_pids = {pid for pid, name in names.items() if "/device:" in name and "CPU" not in name.upper()}
-    totals, counts = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e or (device_pids and e.get("pid") not in device_pids):
-            continue
-        totals[e["name"]] += e["dur"]
-        counts[e["name"]] += 1
-    whole = sum(totals.values()) or 1
-    return [{"op": name, "total_us": us, "calls": counts[name], "share": us / whole}
-            for name, us in totals.most_common(top)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/kimi_k3.json")
@@ -132,7 +107,6 @@ def main() -> None:
                "context": context, "copy_bandwidth_bytes_per_s": bandwidth, "non_routed_param_bytes": other,
                "routed_param_bytes": routed, "runs": []}
     print(json.dumps(results), flush=True)
-    trace_dir = Path(tempfile.mkdtemp(prefix="decode_trace_"))
     for batch in batches:
         ids = jax.random.randint(jax.random.key(batch), (batch, context), 0, cfg.vocab_size, jnp.int32)
         _, cache = prefill(model, ids, capacity=context + 4 * args.steps + 8)
@@ -151,9 +125,7 @@ def main() -> None:
         run = {"batch": batch, "step_ms": step_ms, "bytes_read": read, "experts_touched": fraction,
                "floor_ms": floor_ms, "percent_of_limit": 100 * floor_ms / step_ms}
         if batch == batches[-1]:
-            with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-                jax.block_until_ready(steps())
-            results["top_ops"] = summarise_trace(trace_dir, args.top)
+            results["top_ops"] = traced_ops(steps)[: args.top]
             results["top_ops_batch"] = batch
         results["runs"].append(run)
         print(json.dumps(run), flush=True)

@@ -11,7 +11,8 @@ layers and experts (benchmarks/e2e_reduced_k3.py builds it the same way), random
   picks which steps run.
 
 Each step is timed with the dispatch policy's kernels (on GPU the Pallas KDA and grouped-GEMM kernels) and
-with the pure-XLA implementations; the kernels' gain is the difference. MFU = model FLOP/s / the dense bf16
+with the pure-XLA implementations; the kernels' gain is the difference. One more step is traced
+(`benchmarks/trace.py`): the Pallas kernels' share of its device time and its top ops. MFU = model FLOP/s / the dense bf16
 matmul FLOP/s measured in the same job (an 8192^3 `jnp.dot`), where model FLOPs per token = 6 x the
 active parameters (top-k of the routed experts; attention scores not counted, so MFU is a lower bound;
 LoRA steps still run the full forward and the activation backward of every layer, i.e. 4 x active
@@ -35,6 +36,7 @@ from flax import nnx
 
 from benchmarks.e2e_reduced_k3 import reduced_config
 from benchmarks.timing import median_ms
+from benchmarks.trace import kernels_share, traced_ops
 from k3jax.assets import tiny_checkpoint
 from k3jax.checkpoint.names import path_names
 from k3jax.config import K3Config
@@ -85,8 +87,9 @@ def fill_packed(model: K3Model, seed: int = 0) -> K3Model:
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
 
 
-def time_step(model: K3Model, config: TrainConfig, batch: Batch, reps: int) -> dict:
-    """Compile one trainer step, then the median of `reps` timed steps."""
+def time_step(model: K3Model, config: TrainConfig, batch: Batch, reps: int, top: int) -> dict:
+    """Compile one trainer step, then the median of `reps` timed steps; one more step traced: the
+    Pallas kernels' share of its device time and its `top` ops."""
     trainer = Trainer(model, config)
     start = time.perf_counter()
     trainer.step(batch)
@@ -97,7 +100,9 @@ def time_step(model: K3Model, config: TrainConfig, batch: Batch, reps: int) -> d
         trainer.step(batch)  # returns floats: the step has finished
         times.append(time.perf_counter() - start)
     ms = sorted(times)[len(times) // 2] * 1e3
-    return {"ms": ms, "tokens_per_s": batch.input_ids.size / (ms * 1e-3), "first_step_s": compile_s}
+    ops = traced_ops(lambda: trainer.step(batch))
+    return {"ms": ms, "tokens_per_s": batch.input_ids.size / (ms * 1e-3), "first_step_s": compile_s,
+            "kernels_share": kernels_share(ops), "top_ops": ops[:top]}
 
 
 def random_batch(cfg: K3Config, batch: int, seq_len: int) -> Batch:
@@ -121,6 +126,7 @@ def main() -> None:
     parser.add_argument("--matmul", type=int, default=8192)
     parser.add_argument("--kernels", default="policy,xla")
     parser.add_argument("--modes", default="lora,full", help="comma-separated: lora, full")
+    parser.add_argument("--top", type=int, default=8, help="ops of the traced step kept per run")
     parser.add_argument("--smoke", action="store_true", help="CPU: the packaged tiny config, short rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -150,22 +156,29 @@ def main() -> None:
             run = {"mode": mode, "kernels": name, "layers": layers, "experts": experts,
                    "experts_storage": "mxfp4" if packed else "bf16", "active_params": active}
             try:
-                timing = time_step(model, config, random_batch(cfg, args.batch, args.seq_len), args.reps)
+                timing = time_step(model, config, random_batch(cfg, args.batch, args.seq_len), args.reps, args.top)
             except Exception as err:  # noqa: BLE001 - out of memory in one configuration is a result
                 run["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
             else:
                 tflops = timing["tokens_per_s"] * (4 if mode == "lora" else 6) * active / 1e12
                 run.update(timing, model_tflops=tflops, mfu=tflops / peak)
             results["runs"].append(run)
-            print(json.dumps(run), flush=True)
+            print(json.dumps({k: v for k, v in run.items() if k != "top_ops"}), flush=True)
             del model
-    print("\n| step | layers x experts | kernels | ms | tokens/s | model TFLOP/s | MFU |\n|---|---|---|---:|---:|---:|---:|")
+    print("\n| step | layers x experts | kernels | ms | tokens/s | model TFLOP/s | MFU | Pallas kernels' share |\n"
+          "|---|---|---|---:|---:|---:|---:|---:|")
     for r in results["runs"]:
         if "error" in r:
-            print(f"| {r['mode']} | {r['layers']} x {r['experts']} | {r['kernels']} | {r['error'][:80]} | | | |")
+            print(f"| {r['mode']} | {r['layers']} x {r['experts']} | {r['kernels']} | {r['error'][:80]} | | | | |")
             continue
         print(f"| {r['mode']} ({r['experts_storage']} experts) | {r['layers']} x {r['experts']} | {r['kernels']} | "
-              f"{r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['model_tflops']:.1f} | {100 * r['mfu']:.1f}% |")
+              f"{r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['model_tflops']:.1f} | {100 * r['mfu']:.1f}% | "
+              f"{100 * r['kernels_share']:.0f}% |")
+    for r in results["runs"]:
+        if r.get("top_ops"):
+            print(f"\n{r['mode']} / {r['kernels']}, top ops of one traced step:\n| op | ms | calls | share |\n|---|---:|---:|---:|")
+            for op in r["top_ops"]:
+                print(f"| {op['op'][:70]} | {op['total_us'] / 1e3:.2f} | {op['calls']} | {100 * op['share']:.1f}% |")
     for mode in ("lora", "full"):
         by = {r["kernels"]: r["ms"] for r in results["runs"] if r["mode"] == mode and "ms" in r}
         if {"policy", "xla"} <= by.keys():
