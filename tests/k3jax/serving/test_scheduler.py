@@ -193,3 +193,28 @@ def test_cancel_while_the_batch_is_prefilled(golden_model_fp32, engine, monkeypa
     for i in (0, 2):
         assert sinks[i].tokens == _alone(golden_model_fp32, requests[i]), f"request {i}"
     assert sorted(engine._free) == list(range(MAX_BATCH))
+
+
+def test_a_failed_batch_fails_its_requests_only(golden_model_fp32, engine, monkeypatch):
+    """A batched prefill that raises finishes its requests with "error" and frees their slots; the
+    request already decoding goes on to the tokens it gets alone."""
+    prompts = _fresh(3, seed=14)
+    requests = [_request(p, i) for i, p in enumerate(prompts)]
+    sinks = [Collect() for _ in requests]
+    engine.submit(requests[0], sinks[0])
+    engine.step()  # alone: the one-row path
+    assert len(engine._active) == 1
+
+    def broken():
+        raise RuntimeError("device out of memory")
+
+    Batches(monkeypatch, before=broken)
+    for req, sink in zip(requests[1:], sinks[1:]):
+        engine.submit(req, sink)
+    engine.step()
+    for sink in sinks[1:]:
+        assert sink.result.reason == "error" and "device out of memory" in sink.result.error and not sink.tokens
+    assert len(engine._active) == 1 and len(engine._free) == MAX_BATCH - 1
+    engine.run_until_idle()
+    assert sinks[0].tokens == _alone(golden_model_fp32, requests[0])
+    assert sorted(engine._free) == list(range(MAX_BATCH))
