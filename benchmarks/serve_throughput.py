@@ -2,22 +2,27 @@
 
 The reduced full-width K3 of `e2e_reduced_k3.py` (random bf16 weights) serves C concurrent clients
 (default 1, 16 and 64; the engine has C slots), each with its own random prompt, all submitted at
-once and decoded to `--new` tokens (eos ignored). Reported per level: output tokens/s, time to first
-token (from submission) and inter-token latency, against batched `k3jax.generate` on the same C
-prompts in the same job (one fused prefill + decode program: the ceiling without scheduling). First a
-two-turn chat: the second turn's time to first token with the prefix cache (its prompt continues the
-first turn's snapshot) and without it (the whole prompt prefilled again).
+once and decoded to `--new` tokens (eos ignored). The engine admits queued prompts in batched
+prefills of at most `--max-prefill-tokens` tokens (rows x padded width; the default, the engine's,
+is 16 rows of 512 tokens, so 64 clients are admitted in 4 steps; C x 512 admits all C in one).
+Reported per level: output tokens/s, time to first token (from submission) and inter-token latency,
+against batched `k3jax.generate` on the same C prompts in the same job (one fused prefill + decode
+program: the ceiling without scheduling). First a two-turn chat: the second turn's time to first
+token with the prefix cache (its prompt continues the first turn's snapshot) and without it (the
+whole prompt prefilled again).
 
 Every shape is run once before it is timed, so compilation is not counted. Needs only jax (no
 starlette / uvicorn):
 
     PYTHONPATH=. python benchmarks/serve_throughput.py --out serve.json
+    PYTHONPATH=. python benchmarks/serve_throughput.py --max-prefill-tokens 32768 --out serve.json
     PYTHONPATH=. python benchmarks/serve_throughput.py --smoke            # CPU, the tiny checkpoint
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 from collections.abc import Sequence
@@ -69,7 +74,8 @@ def _serve(scheduler: Scheduler, prompts: np.ndarray, new: int) -> tuple[list[Ti
 
 def _level(model: K3Model, clients: int, args: argparse.Namespace, rng: np.random.Generator) -> dict:
     vocab = model.config.vocab_size
-    scheduler = Scheduler(model, max_batch=clients, max_len=_max_len(args), prefill_chunk=args.chunk)
+    scheduler = Scheduler(model, max_batch=clients, max_len=_max_len(args), prefill_chunk=args.chunk,
+                          max_prefill_tokens=args.max_prefill_tokens)
     _serve(scheduler, rng.integers(0, vocab, (clients, args.prompt)), args.new)  # compile every shape
     prompts = rng.integers(0, vocab, (clients, args.prompt))
     sinks, seconds = _serve(scheduler, prompts, args.new)
@@ -132,6 +138,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--new", type=int, default=128, help="tokens generated per client")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     parser.add_argument("--turn", type=int, default=64, help="new tokens of the second chat turn")
+    parser.add_argument("--max-prefill-tokens", type=int,
+                        default=inspect.signature(Scheduler).parameters["max_prefill_tokens"].default,
+                        help="the engine's bound on one batched admission (rows x padded width)")
     parser.add_argument("--prefix-cache-mib", type=int, default=8192)
     parser.add_argument("--smoke", action="store_true", help="CPU: the tiny checkpoint, small shapes")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -144,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rng = np.random.default_rng(0)
     results = {"device": str(jax.devices()[0]), "layers": model.config.num_hidden_layers,
                "experts": model.config.num_experts, "prompt": args.prompt, "new": args.new, "chunk": args.chunk,
-               "levels": []}
+               "max_prefill_tokens": args.max_prefill_tokens, "levels": []}
 
     def record(part: dict) -> None:
         """Print each part as it finishes and rewrite --out, so a run cut short keeps what it measured."""

@@ -51,6 +51,9 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
                        help="most tokens of one request, prompt + completion")
     serve.add_argument("--prefill-chunk", type=int_at_least(1), default=512,
                        help="prompt tokens run per step between decode steps")
+    serve.add_argument("--max-prefill-tokens", type=int_at_least(1), default=8192,
+                       help="most tokens (rows x padded width) one step prefills when it admits several "
+                            "short fresh prompts together")
     serve.add_argument("--max-queue", type=int_at_least(0), default=1024,
                        help="requests that may wait for a slot; more are refused with 503")
     serve.add_argument("--prefix-cache-mib", type=int_at_least(0), default=1024,
@@ -70,7 +73,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
         chat_tokenizer = None
     model = from_pretrained(args.model, dtype=args.dtype, mesh=args.mesh)
     engine = dict(max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                  max_queue=args.max_queue, prefix_cache=PrefixCache(args.prefix_cache_mib * MIB),
+                  max_prefill_tokens=args.max_prefill_tokens, max_queue=args.max_queue,
+                  prefix_cache=PrefixCache(args.prefix_cache_mib * MIB),
                   metrics=Metrics(args.max_batch))
     if jax.process_count() > 1:  # a pod: every process runs the engine, the leader's inputs broadcast
         scheduler: Scheduler = ReplicatedScheduler(model, channel=BroadcastChannel(),

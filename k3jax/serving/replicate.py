@@ -31,8 +31,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from k3jax.model import K3Model
-from k3jax.serving.request import Finish, GenerationRequest, QueueFull, ShuttingDown, Sink
-from k3jax.serving.scheduler import EngineRequest, Scheduler
+from k3jax.serving.request import EngineRequest, Finish, GenerationRequest, QueueFull, ShuttingDown, Sink
+from k3jax.serving.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 MIN_WIDTH = 256  # the smallest padded broadcast, in bytes

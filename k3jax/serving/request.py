@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
+
+import numpy as np
 
 
 class QueueFull(Exception):
@@ -40,3 +42,18 @@ class Sink(Protocol):
 
     def token(self, token: int) -> None: ...
     def finish(self, finish: Finish) -> None: ...
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """A request inside the engine: where its tokens go, its sampling keys, what it has generated, its slot."""
+
+    req: GenerationRequest
+    sink: Sink
+    submitted: float
+    keys: np.ndarray | None = None
+    generated: list[int] = field(default_factory=list)
+    slot: int = -1
+    cached: int = 0
+    cancelled: bool = False
+    finished: bool = False

@@ -2,17 +2,20 @@
 
 One engine thread owns the model and the slot cache (`slots.py`). Each iteration it
   1. takes new submissions and cancellations (a cancelled request frees its slot at once);
-  2. runs ONE prefill chunk of the request being admitted (a free slot is reserved for it): the prompt
-     runs on its own one-row cache through `k3jax.extend`, continuing a prefix-cache snapshot when one
-     matches; when the prompt is done its first token is sampled and the row is inserted into the slot;
+  2. makes ONE prefill call to admit from the head of the queue (first come, first served), either
+     * a batch: the head requests that are fresh (no prefix-cache hit) and fit one chunk, as many as
+       there are free slots and `max_prefill_tokens` allows, prefilled together in one multi-row
+       `extend`; each row's first token is sampled and the row copied into its slot; or
+     * one chunk of the head request alone (a prefix hit, a prompt wider than one chunk, or a lone
+       fresh prompt) on its own one-row cache, continuing the prefix-cache snapshot that matched;
+       its first token is sampled and its row inserted once its prompt is done. So a long prompt
+       never stalls running requests for its whole length, and a burst is admitted in few calls;
   3. runs ONE decode step of every active slot and hands each request its token; requests that hit a
      stop token or their token budget are retired (snapshotted into the prefix cache first).
-so long prompts are prefilled in chunks interleaved with decode steps.
-
-Compiled shapes are bounded: a fresh prompt is left-padded to a bucket (a power of two up to the
-chunk size, else a multiple of it) and run in chunks of the chunk size; the rest of a prompt after a
-prefix hit runs in chunk-size pieces, then power-of-two pieces. Row b of a decode step computes what
-the request computes alone (see `slots.py`), and step i of a request samples with the i-th key of
+How batches are formed and bounded, and what a batch means for the prefix cache, cancellation,
+failures and pod replication: `admission.py`. Compiled shapes are bounded there (bucketed widths,
+power-of-two batch rows). Row b of a prefill or decode step computes what the request computes
+alone (left padding is exact, see `slots.py`), and step i of a request samples with the i-th key of
 its seed (`sampler.py`), so its tokens are those `k3jax.generate` gives for it alone.
 """
 
@@ -23,43 +26,21 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 import jax
 import numpy as np
 
 from k3jax.generate import extend
 from k3jax.model import K3Model, ModelCache, run_model
+from k3jax.serving.admission import OneRow, bucket, first_tokens, one_row, padded_rows, prefill_batch
 from k3jax.serving.metrics import Metrics
-from k3jax.serving.prefix_cache import PrefixCache, restored
-from k3jax.serving.request import Finish, GenerationRequest, QueueFull, ShuttingDown, Sink
+from k3jax.serving.prefix_cache import PrefixCache, Snapshot
+from k3jax.serving.request import EngineRequest, Finish, GenerationRequest, QueueFull, ShuttingDown, Sink
 from k3jax.serving.sampler import RowParams, request_keys, sample_rows
-from k3jax.serving.slots import IDLE, empty_row, empty_slots, extract_row, insert_row, set_clock, shift_slots
+from k3jax.serving.slots import (IDLE, empty_slots, extract_row, insert_row, insert_rows, row_of, set_clock,
+                                 shift_slots)
 
 log = logging.getLogger(__name__)
-MIN_BUCKET = 16  # the smallest padded prompt width
-
-
-@dataclass(eq=False)
-class EngineRequest:
-    """A request inside the engine: where its tokens go, its sampling keys, what it has generated, its slot."""
-
-    req: GenerationRequest
-    sink: Sink
-    submitted: float
-    keys: np.ndarray | None = None
-    generated: list[int] = field(default_factory=list)
-    slot: int = -1
-    cached: int = 0
-    cancelled: bool = False
-    finished: bool = False
-
-
-@dataclass(eq=False)
-class _Prefill:
-    request: EngineRequest
-    cache: ModelCache
-    segments: collections.deque  # np.int32 [1, T] pieces still to run
 
 
 class Handle:
@@ -79,35 +60,26 @@ def _decode(model: K3Model, cache: ModelCache, tokens: jax.Array, keys: jax.Arra
     return sample_rows(out.logits[:, 0], keys, params, any_sampling=any_sampling), cache
 
 
-_sample = jax.jit(sample_rows, static_argnames=("any_sampling",))
-
-
-def _pieces(count: int, chunk: int) -> list[int]:
-    """Sizes that sum to `count`: chunk-size pieces, then the binary decomposition of the rest."""
-    sizes = [chunk] * (count // chunk)
-    rest = count % chunk
-    while rest:
-        sizes.append(1 << (rest.bit_length() - 1))
-        rest -= sizes[-1]
-    return sizes
-
-
 class Scheduler:
     """The continuous-batching engine. `max_len` bounds prompt + completion of one request."""
 
     def __init__(self, model: K3Model, *, max_batch: int, max_len: int, prefill_chunk: int = 512,
                  max_queue: int = 1024, prefix_cache: PrefixCache | None = None, metrics: Metrics | None = None,
-                 pad_token_id: int | None = None, headroom: int | None = None) -> None:
+                 pad_token_id: int | None = None, headroom: int | None = None,
+                 max_prefill_tokens: int = 8192) -> None:
         """`headroom`: slot-cache positions beyond max_len; the clock rolls back at most once per that
-        many decode steps (default max_len // 4). `pad_token_id` fills padding (default: the config's)."""
+        many decode steps (default max_len // 4). `pad_token_id` fills padding (default: the config's).
+        `max_prefill_tokens`: the most tokens (rows x width, padding included) one batched admission
+        prefills; the request at the head of the queue is admitted whatever its width."""
         for name, value in (("max_batch", max_batch), ("max_len", max_len), ("prefill_chunk", prefill_chunk),
-                            ("headroom", 1 if headroom is None else headroom)):
-            if value < 1:
-                raise ValueError(f"{name}={value}: expected an integer >= 1")
-        if max_queue < 0:
-            raise ValueError(f"max_queue={max_queue}: expected an integer >= 0")
+                            ("headroom", 1 if headroom is None else headroom),
+                            ("max_prefill_tokens", max_prefill_tokens)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected an integer >= 1")
+        if isinstance(max_queue, bool) or not isinstance(max_queue, (int, np.integer)) or max_queue < 0:
+            raise ValueError(f"max_queue={max_queue!r}: expected an integer >= 0")
         self.model, self.max_batch, self.max_len, self.chunk = model, max_batch, max_len, prefill_chunk
-        self.max_queue = max_queue
+        self.max_prefill_tokens, self.max_queue = max_prefill_tokens, max_queue
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0)
         self.metrics = metrics if metrics is not None else Metrics(max_batch)
         cfg = model.config
@@ -119,7 +91,7 @@ class Scheduler:
         self._active: dict[int, EngineRequest] = {}
         self._free = list(range(max_batch - 1, -1, -1))
         self._pending: collections.deque[EngineRequest] = collections.deque()
-        self._prefill: _Prefill | None = None
+        self._prefill: OneRow | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
@@ -194,15 +166,12 @@ class Scheduler:
             pass
 
     def step(self) -> bool:
-        """One iteration: cancellations, one prefill chunk, one decode step. False if there was nothing to do."""
+        """One iteration: cancellations, one prefill call (a batch of fresh prompts, or one chunk of one
+        prompt), one decode step. False if there was nothing to do."""
         self._reap_cancelled()
         did = False
         if self._prefill is None and self._free:
-            with self._lock:
-                request = self._pending.popleft() if self._pending else None
-            if request is not None:
-                self._begin_prefill(request)
-                did = True
+            did = self._admit()
         if self._prefill is not None:
             self._run_prefill_chunk()
             did = True
@@ -266,27 +235,46 @@ class Scheduler:
                 self._free_slot(slot)
                 self._finish(request, "abort")
 
-    def _begin_prefill(self, request: EngineRequest) -> None:
-        req = request.req
+    def _next(self) -> EngineRequest | None:
+        with self._lock:  # the head of the queue, left there
+            return self._pending[0] if self._pending else None
+
+    def _pop(self) -> EngineRequest:
+        with self._lock:
+            return self._pending.popleft()
+
+    def _admit(self) -> bool:
+        """Admit from the head of the queue: a batch of fresh prompts that fit one chunk (run now), or
+        the head request alone on the one-row path. False if nothing is queued."""
+        batch: list[EngineRequest] = []
+        width = 0
+        while len(batch) < len(self._free) and (request := self._next()) is not None:
+            prompt = request.req.prompt
+            snap = self.prefix_cache.lookup(prompt) if self.prefix_cache.enabled else None
+            grown = max(width, bucket(len(prompt), self.chunk))
+            if snap is not None or grown > self.chunk:
+                if not batch:
+                    self._begin_prefill(self._pop(), snap)
+                break
+            if batch and padded_rows(len(batch) + 1) * grown > self.max_prefill_tokens:
+                break
+            batch.append(self._pop())
+            width = grown
+        if len(batch) == 1:
+            self._begin_prefill(batch[0], None)
+        elif batch:
+            self._run_batch(batch, width)
+        return bool(batch) or self._prefill is not None
+
+    def _take_slot(self, request: EngineRequest) -> None:
         request.slot = self._free.pop()
-        request.keys = request_keys(req.seed, req.max_tokens)
-        snap = self.prefix_cache.lookup(req.prompt) if self.prefix_cache.enabled else None
-        if snap is not None:
-            request.cached = len(snap.tokens)
-            cache = restored(snap.cache, self.row_capacity)
-            rest = np.asarray(req.prompt[len(snap.tokens):], np.int32)
-            sizes = _pieces(len(rest), self.chunk)
-        else:
-            count = len(req.prompt)
-            width = (-(-count // self.chunk) * self.chunk if count >= self.chunk
-                     else min(self.chunk, max(MIN_BUCKET, 1 << (count - 1).bit_length())))
-            cache = empty_row(self.model, self.row_capacity, width - count)
-            rest = np.asarray([self.pad_id] * (width - count) + list(req.prompt), np.int32)
-            sizes = [min(width, self.chunk)] * (width // min(width, self.chunk))
-        offsets = np.cumsum([0, *sizes])
-        segments = collections.deque(rest[None, a:b] for a, b in zip(offsets[:-1], offsets[1:]))
-        self.metrics.prefix_lookup(len(req.prompt), request.cached)
-        self._prefill = _Prefill(request, cache, segments)
+        request.keys = request_keys(request.req.seed, request.req.max_tokens)
+
+    def _begin_prefill(self, request: EngineRequest, snap: Snapshot | None) -> None:
+        self._take_slot(request)
+        request.cached = len(snap.tokens) if snap is not None else 0
+        self.metrics.prefix_lookup(len(request.req.prompt), request.cached)
+        self._prefill = one_row(self.model, request, snap, self.chunk, self.row_capacity, self.pad_id)
 
     def _run_prefill_chunk(self) -> None:
         prefill = self._prefill
@@ -300,33 +288,70 @@ class Scheduler:
                 return
             self._prefill = None
             self.prefix_cache.store(request.req.prompt, prefill.cache)
-            req = request.req
-            params = RowParams.of([(req.temperature, req.top_k, req.top_p)])
-            token = int(_sample(logits, request.keys[:1], params, any_sampling=req.temperature > 0)[0])
+            token = int(first_tokens(logits, [request])[0])
         except Exception as err:  # a failed prefill fails this request only
             log.exception("prefill failed")
             self._prefill = None
             self._free_slot(request.slot)
             self._finish(request, "error", f"{type(err).__name__}: {err}")
             return
-        reason = self._emit(request, token)
-        if reason is not None:
-            self._free_slot(request.slot)
-            self._finish(request, reason)
-            return
-        self._insert(request, prefill.cache)
+        if self._started(request, token):
+            self._insert(request, prefill.cache)
 
-    def _insert(self, request: EngineRequest, row: ModelCache) -> None:
-        row_length, row_start = int(row.length), int(row.start[0])
-        real = row_length - row_start
+    def _run_batch(self, batch: list[EngineRequest], width: int) -> None:
+        """Prefill fresh prompts together, hand each its first token, insert the rows still running."""
+        for request in batch:
+            self._take_slot(request)
+            self.metrics.prefix_lookup(len(request.req.prompt), 0)
+        try:
+            logits, cache = prefill_batch(self.model, [r.req.prompt for r in batch], width, self.pad_id)
+            tokens = first_tokens(logits, batch)
+            if self.prefix_cache.enabled:
+                for r, request in enumerate(batch):
+                    self.prefix_cache.store(request.req.prompt, row_of(cache, np.int32(r)))
+        except Exception as err:  # a failed batch prefill fails its requests only
+            log.exception("batched prefill failed")
+            for request in batch:
+                self._free_slot(request.slot)
+                self._finish(request, "error", f"{type(err).__name__}: {err}")
+            return
+        kept = [(r, request) for r, request in enumerate(batch) if self._started(request, int(tokens[r]))]
+        if not kept:
+            return
+        self._catch_up(max(len(request.req.prompt) for _, request in kept))
+        sources, targets = np.zeros(len(logits), np.int32), np.zeros(len(logits), np.int32)
+        for i, (r, request) in enumerate(kept):
+            sources[i], targets[i] = r, request.slot
+            self._start[request.slot] = self._length - len(request.req.prompt)
+            self._active[request.slot] = request
+        self._slots = insert_rows(self._slots, cache, sources, targets, np.int32(len(kept)),
+                                  np.int32(self._length - width))
+        self._slots = set_clock(self._slots, self._length, self._start)
+
+    def _started(self, request: EngineRequest, token: int) -> bool:
+        """Hand a prefilled request its first token; False (slot freed, request finished) if it was
+        cancelled while it was prefilled, or that token is its last."""
+        reason = "abort" if request.cancelled else self._emit(request, token)
+        if reason is None:
+            return True
+        self._free_slot(request.slot)
+        self._finish(request, reason)
+        return False
+
+    def _catch_up(self, real: int) -> None:
+        """Make the clock at least `real` (a prompt about to be inserted holds that many tokens)."""
         if real > self._length:  # the clock is behind this prompt: move every row later
             if self._active:
                 self._slots = shift_slots(self._slots, np.int32(real - self._length))
                 for slot in self._active:
                     self._start[slot] += real - self._length
             self._length = real
-        shift = self._length - row_length
-        self._slots = insert_row(self._slots, row, np.int32(request.slot), np.int32(shift))
+
+    def _insert(self, request: EngineRequest, row: ModelCache) -> None:
+        row_length = int(row.length)
+        real = row_length - int(row.start[0])
+        self._catch_up(real)
+        self._slots = insert_row(self._slots, row, np.int32(request.slot), np.int32(self._length - row_length))
         self._start[request.slot] = self._length - real
         self._slots = set_clock(self._slots, self._length, self._start)
         self._active[request.slot] = request

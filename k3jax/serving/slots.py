@@ -7,9 +7,10 @@ positions before its start are left padding, which the model already masks (MLA 
 KDA takes identity steps). K3 has no positional encoding, so a row computes exactly what the
 request computes alone, whatever its offset, and the model needs no per-row position.
 
-  * insert: a request is prefilled on its own one-row cache (`extend`), then copied into a slot with
-    its MLA latents rolled along the sequence axis so that its last token sits at `length - 1`;
-    its KDA state and conv window are position-free and are copied as they are.
+  * insert: a request is prefilled on its own one-row cache (`extend`), or as one row of a batched
+    prefill of fresh prompts, then copied into a slot with its MLA latents rolled along the sequence
+    axis so that its last token sits at `length - 1`; its KDA state and conv window are
+    position-free and are copied as they are.
   * idle slots: `start = IDLE` (past any position), so the row attends only to itself and its KDA
     steps are identities: a free row costs compute but never produces NaN or touches other rows.
   * the clock: decode steps advance `length` for every row. When it reaches the capacity, the rows
@@ -64,12 +65,7 @@ def empty_row(model: K3Model, capacity: int, pad: int = 0) -> ModelCache:
     return model.empty_cache(1, capacity)._replace(start=jnp.full((1,), pad, jnp.int32))
 
 
-@functools.partial(jax.jit, donate_argnames=("slots",))
-def insert_row(slots: ModelCache, row: ModelCache, slot: jax.Array, shift: jax.Array) -> ModelCache:
-    """Copy the one-row cache `row` into `slots` at row `slot`, its latents moved `shift` positions
-    later (shift = slots.length - row.length, so its last token lands at slots.length - 1). Slot
-    positions outside the row's window get copies of its edge latents, which are masked or
-    overwritten before they are read. `start` is not touched: the caller sets it (row.start + shift)."""
+def _put_row(slots: ModelCache, row: ModelCache, slot: jax.Array, shift: jax.Array) -> ModelCache:
     def put(dst, src, axis):
         if isinstance(dst, MLACache):
             source = jnp.arange(dst.latent.shape[axis + 1]) - shift
@@ -79,6 +75,41 @@ def insert_row(slots: ModelCache, row: ModelCache, slot: jax.Array, shift: jax.A
 
     head, groups, tail = _map_layers(put, slots, row)
     return slots._replace(head=head, groups=groups, tail=tail)
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def insert_row(slots: ModelCache, row: ModelCache, slot: jax.Array, shift: jax.Array) -> ModelCache:
+    """Copy the one-row cache `row` into `slots` at row `slot`, its latents moved `shift` positions
+    later (shift = slots.length - row.length, so its last token lands at slots.length - 1). Slot
+    positions outside the row's window get copies of its edge latents, which are masked or
+    overwritten before they are read. `start` is not touched: the caller sets it (row.start + shift)."""
+    return _put_row(slots, row, slot, shift)
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def insert_rows(slots: ModelCache, rows: ModelCache, sources: jax.Array, targets: jax.Array, count: jax.Array,
+                shift: jax.Array) -> ModelCache:
+    """For i < count: row sources[i] of the batch cache `rows` into slot targets[i], moved `shift`
+    positions later, as `insert_row` (every row of a batched prefill has the same length, so one shift).
+    `count` is traced, so one program serves any number of the batch's rows."""
+    def body(i, slots):
+        return _put_row(slots, _row(rows, sources[i]), targets[i], shift)
+    return jax.lax.fori_loop(0, count, body, slots)
+
+
+def _row(cache: ModelCache, index: jax.Array) -> ModelCache:
+    """Row `index` of a batch cache as a one-row cache (the same length)."""
+    def take(c, axis):
+        return type(c)(*(jax.lax.dynamic_index_in_dim(x, index, axis, keepdims=True) for x in c))
+    head, groups, tail = _map_layers(take, cache)
+    start = jax.lax.dynamic_index_in_dim(cache.start, index, 0, keepdims=True)
+    return ModelCache(head, groups, tail, cache.length, start)
+
+
+@jax.jit
+def row_of(cache: ModelCache, index: jax.Array) -> ModelCache:
+    """Row `index` of a batch cache as a one-row cache of its own buffers (a prefix-cache snapshot's source)."""
+    return _row(cache, index)
 
 
 def _set_row(dst: jax.Array, src: jax.Array, slot: jax.Array, axis: int) -> jax.Array:

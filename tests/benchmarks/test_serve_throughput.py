@@ -17,4 +17,5 @@ def test_smoke(tmp_path, capsys):
     for key in ("tokens_per_s", "generate_tokens_per_s", "ttft_p50_ms", "itl_p50_ms"):
         assert math.isfinite(level[key]) and level[key] > 0, key
     assert results["second_turn"]["with_prefix_cache_ms"] > 0
+    assert results["max_prefill_tokens"] == 8192
     assert "| clients | served tok/s |" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """Bad requests to `k3jax serve`: each row is a request and the OpenAI error it must get. The app runs
 without its engine (Starlette's test client), so nothing compiles: every row is refused before it is
-queued. Add rows to extend."""
+queued. Then bad engine arguments (`Scheduler`). Add rows to extend."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from starlette.testclient import TestClient
 
 from k3jax.serving.app import create_app
 from k3jax.serving.command import build_state
+from k3jax.serving.scheduler import Scheduler
 from tests.conftest import GOLDEN_DIR
 
 MAX_LEN = 64
@@ -19,7 +20,8 @@ MAX_LEN = 64
 
 def _client(**flags) -> TestClient:
     args = argparse.Namespace(model=GOLDEN_DIR, mesh=None, dtype="float32", max_batch=2, max_len=MAX_LEN,
-                              prefill_chunk=16, max_queue=8, prefix_cache_mib=0, served_model_name="tiny")
+                              prefill_chunk=16, max_prefill_tokens=64, max_queue=8, prefix_cache_mib=0,
+                              served_model_name="tiny")
     for key, value in flags.items():
         setattr(args, key, value)
     return TestClient(create_app(build_state(args), start_engine=False))
@@ -112,3 +114,22 @@ def test_full_queue_is_503():
     with _client(max_queue=0) as full:
         response = full.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
     assert response.status_code == 503 and response.json()["error"]["type"] == "server_busy"
+
+
+SCHEDULER = [
+    (dict(max_prefill_tokens=0), r"max_prefill_tokens=0: expected an integer >= 1"),
+    (dict(max_prefill_tokens=-512), r"max_prefill_tokens=-512: expected an integer >= 1"),
+    (dict(max_prefill_tokens=1024.0), r"max_prefill_tokens=1024.0: expected an integer >= 1"),
+    (dict(max_prefill_tokens=True), r"max_prefill_tokens=True: expected an integer >= 1"),
+    (dict(max_batch=0), r"max_batch=0: expected an integer >= 1"),
+    (dict(prefill_chunk=0), r"prefill_chunk=0: expected an integer >= 1"),
+    (dict(headroom=0), r"headroom=0: expected an integer >= 1"),
+    (dict(max_queue=-1), r"max_queue=-1: expected an integer >= 0"),
+]
+
+
+@pytest.mark.parametrize("flags, message", SCHEDULER)
+def test_scheduler_arguments(golden_model_fp32, flags, message):
+    """The engine's own arguments are checked before any cache is allocated."""
+    with pytest.raises(ValueError, match=message):
+        Scheduler(golden_model_fp32, **{"max_batch": 2, "max_len": MAX_LEN, **flags})

@@ -21,7 +21,8 @@ def test_a_missing_checkpoint(tmp_path, capsys):
 
 
 def test_flags_are_checked(capsys):
-    for flags in (["--max-batch", "0"], ["--max-len", "1"], ["--port", "-1"], ["--prefix-cache-mib", "x"]):
+    for flags in (["--max-batch", "0"], ["--max-prefill-tokens", "0"],
+                  ["--max-len", "1"], ["--port", "-1"], ["--prefix-cache-mib", "x"]):
         try:
             cli.main(["serve", "--model", str(GOLDEN_DIR), *flags])
         except SystemExit as exit_:

@@ -2,9 +2,11 @@
 
 Reference: `k3jax.generate` run alone on each prompt (batch 1, streamed with a fixed capacity so that
 its decode step compiles once). A request's tokens must be identical whatever else shares the batch:
-requests outnumber the slots (admitted mid-decode as others retire), prompts have different lengths
-(rows at different offsets of the shared clock), one request samples with a seed, and the clock is
-made to run out of positions (rows rolled back) and to fall behind a long prompt (rows rolled on).
+requests outnumber the slots (admitted mid-decode as others retire), short fresh prompts are admitted
+together in one batched prefill (a dummy row pads three to four) between two-chunk prompts that take
+the one-row path, prompts have different lengths (rows at different offsets of the shared clock), one
+request in a batch samples with a seed, and the clock is made to run out of positions (rows rolled
+back) and to fall behind a long prompt (rows rolled on).
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from k3jax.serving.scheduler import Scheduler
 
 MAX_LEN, CHUNK, HEADROOM = 32, 16, 3
 REF_CAPACITY = MAX_LEN  # every request fits: prompt + max_tokens <= MAX_LEN
-LENGTHS = (5, 30, 13, 21) * 2  # the 30-token prompt arrives while the clock is behind it
-BUDGETS = {5: 20, 30: 2, 13: 12, 21: 10}
+MAX_BATCH = 4
+# 5, 13, 9: one batch (the two-chunk 30 stops it); the 30 arrives while the clock is behind it; 13 and 9
+# retire together, so 5 and 13 form a second batch
+LENGTHS = (5, 13, 9, 30, 21, 5, 13, 11)
+BUDGETS = {5: 20, 30: 2, 13: 12, 9: 12, 21: 10, 11: 8}
 SAMPLED = 2  # this request samples (temperature, top-k, top-p, seed)
 EOS = 258
 
@@ -56,8 +61,8 @@ def _alone(model, req: GenerationRequest) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine(golden_model_fp32):
-    return Scheduler(golden_model_fp32, max_batch=2, max_len=MAX_LEN, prefill_chunk=CHUNK, headroom=HEADROOM,
-                     prefix_cache=PrefixCache(1 << 26))
+    return Scheduler(golden_model_fp32, max_batch=MAX_BATCH, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                     headroom=HEADROOM, prefix_cache=PrefixCache(1 << 26))
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +71,27 @@ def prompts():
     return [rng.integers(0, 256, n).tolist() for n in LENGTHS]
 
 
+class Batches:
+    """Wraps `prefill_batch` in the scheduler module: records each batch's prompt lengths, and can run
+    `before()` first (while the batch is being admitted)."""
+
+    def __init__(self, monkeypatch, before=None) -> None:
+        self.lengths: list[list[int]] = []
+        self.before = before
+        real = scheduler_module.prefill_batch
+
+        def recording(model, prompts, width, pad_id):
+            self.lengths.append([len(p) for p in prompts])
+            if self.before is not None:
+                self.before()
+            return real(model, prompts, width, pad_id)
+
+        monkeypatch.setattr(scheduler_module, "prefill_batch", recording)
+
+
 @pytest.fixture(scope="module")
 def served(engine, prompts):
-    """Every request submitted at once, run to the end; the clock rolls recorded."""
+    """Every request submitted at once, run to the end; the clock rolls and the batches recorded."""
     shifts: list[int] = []
     real_shift = scheduler_module.shift_slots
 
@@ -76,21 +99,21 @@ def served(engine, prompts):
         shifts.append(int(shift))
         return real_shift(slots, shift)
 
-    scheduler_module.shift_slots = counting
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scheduler_module, "shift_slots", counting)
+        batches = Batches(patch)
         requests = [_request(p, i) for i, p in enumerate(prompts)]
         sinks = [Collect() for _ in requests]
         for req, sink in zip(requests, sinks):
             engine.submit(req, sink)
         engine.run_until_idle()
-    finally:
-        scheduler_module.shift_slots = real_shift
-    return requests, sinks, shifts
+    return requests, sinks, shifts, batches.lengths
 
 
 def test_tokens_equal_generate_alone(golden_model_fp32, served):
-    requests, sinks, shifts = served
+    requests, sinks, shifts, batches = served
     assert any(s < 0 for s in shifts) and any(s > 0 for s in shifts), f"the clock never rolled both ways: {shifts}"
+    assert batches[0] == [5, 13, 9] and [5, 13] in batches[1:], f"batches admitted: {batches}"
     for i, (req, sink) in enumerate(zip(requests, sinks)):
         assert sink.result.reason in ("stop", "length") and sink.result.completion_tokens == len(sink.tokens)
         assert sink.tokens == _alone(golden_model_fp32, req), f"request {i} (prompt {len(req.prompt)} tokens)"
@@ -98,7 +121,7 @@ def test_tokens_equal_generate_alone(golden_model_fp32, served):
 
 def test_prefix_hit_is_identical_and_skips_the_prefix(golden_model_fp32, engine, served, monkeypatch):
     """A follow-up turn (a finished request's prompt + completion + new tokens) continues from its snapshot."""
-    requests, sinks, _ = served
+    requests, sinks, _, _ = served
     first, out = requests[2], sinks[2].tokens
     follow = GenerationRequest(first.prompt + tuple(out) + (7, 8, 9), 3, stop_ids=frozenset({EOS}))
     ran: list[int] = []
@@ -127,4 +150,71 @@ def test_cancel_frees_the_slot(engine, prompts):
     handle.cancel()
     engine.run_until_idle()
     assert sink.result.reason == "abort" and len(sink.tokens) < 20
-    assert sorted(engine._free) == [0, 1] and not engine._active
+    assert sorted(engine._free) == list(range(MAX_BATCH)) and not engine._active
+
+
+def _fresh(count: int, seed: int) -> list[list[int]]:
+    """`count` new prompts with the lengths (and so the budgets) of the first requests of `LENGTHS`."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, n).tolist() for n in LENGTHS[:count]]
+
+
+def test_a_burst_is_admitted_in_one_step(golden_model_fp32, engine, monkeypatch):
+    """Queued short prompts are prefilled in ONE call: after one step every one has its first token
+    (and its first decode step); each still gets the tokens `generate` gives it alone."""
+    batches = Batches(monkeypatch)
+    prompts = _fresh(3, seed=12)
+    requests = [_request(p, i) for i, p in enumerate(prompts)]
+    sinks = [Collect() for _ in requests]
+    for req, sink in zip(requests, sinks):
+        engine.submit(req, sink)
+    queries = engine.metrics.prefix_queries
+    engine.step()
+    assert batches.lengths == [[5, 13, 9]] and all(len(s.tokens) == 2 for s in sinks)
+    assert engine.metrics.prefix_queries == queries + 3
+    engine.run_until_idle()
+    for i, (req, sink) in enumerate(zip(requests, sinks)):
+        assert sink.tokens == _alone(golden_model_fp32, req), f"request {i} (prompt {len(req.prompt)} tokens)"
+
+
+def test_cancel_while_the_batch_is_prefilled(golden_model_fp32, engine, monkeypatch):
+    """A request cancelled during its batch's prefill gets no token and frees its slot; the others go on."""
+    prompts = _fresh(3, seed=13)
+    requests = [_request(p, i) for i, p in enumerate(prompts)]
+    sinks = [Collect() for _ in requests]
+    handles = [engine.submit(req, sink) for req, sink in zip(requests, sinks)]
+    batches = Batches(monkeypatch, before=handles[1].cancel)
+    engine.step()
+    assert batches.lengths == [[5, 13, 9]]
+    assert sinks[1].result.reason == "abort" and sinks[1].tokens == []
+    assert all(r.req is not requests[1] for r in engine._active.values())
+    assert len(engine._active) == 2 and len(engine._free) == MAX_BATCH - 2
+    engine.run_until_idle()
+    for i in (0, 2):
+        assert sinks[i].tokens == _alone(golden_model_fp32, requests[i]), f"request {i}"
+    assert sorted(engine._free) == list(range(MAX_BATCH))
+
+
+def test_a_failed_batch_fails_its_requests_only(golden_model_fp32, engine, monkeypatch):
+    """A batched prefill that raises finishes its requests with "error" and frees their slots; the
+    request already decoding goes on to the tokens it gets alone."""
+    prompts = _fresh(3, seed=14)
+    requests = [_request(p, i) for i, p in enumerate(prompts)]
+    sinks = [Collect() for _ in requests]
+    engine.submit(requests[0], sinks[0])
+    engine.step()  # alone: the one-row path
+    assert len(engine._active) == 1
+
+    def broken():
+        raise RuntimeError("device out of memory")
+
+    Batches(monkeypatch, before=broken)
+    for req, sink in zip(requests[1:], sinks[1:]):
+        engine.submit(req, sink)
+    engine.step()
+    for sink in sinks[1:]:
+        assert sink.result.reason == "error" and "device out of memory" in sink.result.error and not sink.tokens
+    assert len(engine._active) == 1 and len(engine._free) == MAX_BATCH - 1
+    engine.run_until_idle()
+    assert sinks[0].tokens == _alone(golden_model_fp32, requests[0])
+    assert sorted(engine._free) == list(range(MAX_BATCH))

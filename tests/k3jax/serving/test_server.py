@@ -1,7 +1,8 @@
 """`k3jax serve` live on k3-tiny-a (fp32), driven by the official `openai` client and raw HTTP.
 
 One server for the module (uvicorn in a thread, 8 slots); the tests run in file order and the last one
-shuts it down. Prompts are at most 16 tokens, so every fresh prefill is one compiled shape.
+shuts it down. Prompts are at most 16 tokens, so every fresh prefill has one compiled width (the
+concurrent clients are admitted in batched prefills of a few power-of-two row counts).
 """
 
 from __future__ import annotations
