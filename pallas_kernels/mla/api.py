@@ -47,6 +47,7 @@ def mla_prefill_attention(q: jax.Array, latents: jax.Array, w_kv_b: jax.Array, *
                          f"[{batch}, {seq}] with no q_offset, got {segment_ids.shape} (latents {latents.shape})")
     impl = choose("mla_prefill_attention", IMPLEMENTATIONS, implementation, cached=cached,
                   left_padding=start is not None, segments=segment_ids is not None, context_split=context_split,
-                  dtype=q.dtype, qk_dim=qk_dim, mask_elements=batch * seq * latents.shape[1])
+                  dtype=q.dtype, qk_dim=qk_dim, mask_elements=batch * seq * latents.shape[1],
+                  expanded_bytes=batch * latents.shape[1] * heads * 2 * qk_dim * q.dtype.itemsize)
     extra = {} if segment_ids is None else {"segment_ids": segment_ids}
     return impl.run(q, latents, w_kv_b, nope_dim=nope_dim, scale=scale, q_offset=q_offset, start=start, **extra)

@@ -9,11 +9,13 @@ chunk's own keys in two cuDNN calls with built-in masks, merged by their log-sum
 else "xla", the blockwise pure-JAX path that runs everywhere (CPU, TPU, GPU) and takes every problem.
 The three cuDNN entries are the GPU defaults.
 
-The problem: ``(cached, left_padding, segments, context_split, dtype, qk_dim, mask_elements)``; ``cached``:
+The problem: ``(cached, left_padding, segments, context_split, dtype, qk_dim, mask_elements, expanded_bytes)``;
+``cached``:
 the queries continue a cache (chunked prefill) rather than being the whole sequence; ``context_split``:
 the latents are sharded along their positions over a mesh axis (context parallelism), which cuDNN's
 custom-call partitioning refuses; ``mask_elements``: B x T x S, the size of the mask a masked call
-needs (see ``cudnn.py``).
+needs (see ``cudnn.py``); ``expanded_bytes``: the per-head keys and (padded) values of all S positions
+that every cuDNN entry expands before its call.
 """
 
 from __future__ import annotations
@@ -33,9 +35,16 @@ CUDNN_MAX_HEAD_DIM = 256
 # 2^31 elements (an 8192-token chunk over a 256K cache) the blockwise path, which holds no such array,
 # is the better trade.
 CUDNN_MAX_MASK_ELEMENTS = 1 << 31
+# Every cuDNN entry expands the per-head keys and values of all S positions first (74 KB a position at
+# K3's widths): past 32 GiB (about 460K positions) the blockwise path, which expands one key block at a
+# time, is the better trade.
+CUDNN_MAX_EXPANDED_BYTES = 32 << 30
 
 
-def _cudnn_operands(*, dtype: jnp.dtype, qk_dim: int) -> str | None:
+def _cudnn_operands(*, dtype: jnp.dtype, qk_dim: int, expanded_bytes: int) -> str | None:
+    if expanded_bytes > CUDNN_MAX_EXPANDED_BYTES:
+        return (f"the expanded keys and values of the cached positions take {expanded_bytes} bytes, over the "
+                f"{CUDNN_MAX_EXPANDED_BYTES} the cuDNN entries allow")
     if jnp.dtype(dtype) not in CUDNN_DTYPES:
         return f"cuDNN flash attention takes bf16 or fp16, got {jnp.dtype(dtype)}"
     if qk_dim % 8 or qk_dim > CUDNN_MAX_HEAD_DIM:
@@ -53,34 +62,34 @@ def _cudnn_layout(*, segments: bool, context_split: bool) -> str | None:
 
 
 def cudnn_supports(*, cached: bool, left_padding: bool, segments: bool, context_split: bool, dtype: jnp.dtype,
-                   qk_dim: int, **_: object) -> str | None:
+                   qk_dim: int, expanded_bytes: int, **_: object) -> str | None:
     if reason := _cudnn_layout(segments=segments, context_split=context_split):
         return reason
     if cached or left_padding:
         return ("a chunk continuing a cache ('cudnn_chunk') or left-padded rows ('cudnn_masked') need "
                 "other masks than cuDNN's causal one")
-    return _cudnn_operands(dtype=dtype, qk_dim=qk_dim)
+    return _cudnn_operands(dtype=dtype, qk_dim=qk_dim, expanded_bytes=expanded_bytes)
 
 
 def cudnn_chunk_supports(*, cached: bool, left_padding: bool, segments: bool, context_split: bool,
-                        dtype: jnp.dtype, qk_dim: int, **_: object) -> str | None:
+                        dtype: jnp.dtype, qk_dim: int, expanded_bytes: int, **_: object) -> str | None:
     if reason := _cudnn_layout(segments=segments, context_split=context_split):
         return reason
     if not cached:
         return "a whole prompt runs on 'cudnn' (one call, its causal mask)"
     if left_padding:
         return "left-padded rows hide keys inside the cache, which needs an explicit mask: 'cudnn_masked'"
-    return _cudnn_operands(dtype=dtype, qk_dim=qk_dim)
+    return _cudnn_operands(dtype=dtype, qk_dim=qk_dim, expanded_bytes=expanded_bytes)
 
 
 def cudnn_masked_supports(*, segments: bool, context_split: bool, dtype: jnp.dtype, qk_dim: int,
-                          mask_elements: int, **_: object) -> str | None:
+                          mask_elements: int, expanded_bytes: int, **_: object) -> str | None:
     if reason := _cudnn_layout(segments=segments, context_split=context_split):
         return reason
     if mask_elements > CUDNN_MAX_MASK_ELEMENTS:
         return (f"the call needs a [B, 1, T, S] mask of {mask_elements} elements, over the "
                 f"{CUDNN_MAX_MASK_ELEMENTS} this path allows")
-    return _cudnn_operands(dtype=dtype, qk_dim=qk_dim)
+    return _cudnn_operands(dtype=dtype, qk_dim=qk_dim, expanded_bytes=expanded_bytes)
 
 
 def _cudnn(*args, **kwargs):

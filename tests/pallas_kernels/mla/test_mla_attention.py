@@ -22,7 +22,7 @@ from pallas_kernels.mla import (  # noqa: E402
     naive_mla_attention,
 )
 from pallas_kernels.mla.dispatch import (  # noqa: E402
-    CUDNN_MAX_MASK_ELEMENTS, cudnn_chunk_supports, cudnn_masked_supports, cudnn_supports,
+    CUDNN_MAX_EXPANDED_BYTES, CUDNN_MAX_MASK_ELEMENTS, cudnn_chunk_supports, cudnn_masked_supports, cudnn_supports,
 )
 
 H, N, P, V, R = 3, 8, 4, 6, 10
@@ -138,7 +138,7 @@ def test_policy_and_cudnn_limits():
         mla_prefill_attention(q, latents, w, nope_dim=N, scale=SCALE, implementation="cudnn")
     # A 128K-token whole prompt needs no mask; an 8192-token chunk over a 128K cache a 2^30-element one.
     k3 = dict(cached=False, left_padding=False, segments=False, context_split=False, dtype=jnp.bfloat16, qk_dim=192,
-              mask_elements=(1 << 17) ** 2)
+              mask_elements=(1 << 17) ** 2, expanded_bytes=(1 << 17) * 96 * 2 * 192 * 2)
     assert cudnn_supports(**k3) is None
     for flag in ("cached", "left_padding"):
         assert "cudnn_masked" in cudnn_supports(**{**k3, flag: True})
@@ -154,6 +154,7 @@ def test_policy_and_cudnn_limits():
         assert "context mesh axis" in supports(**{**problem_, "context_split": True})
         assert "bf16" in supports(**{**problem_, "dtype": jnp.float32})
         assert "head sizes" in supports(**{**problem_, "qk_dim": 576})
+        assert "expanded keys" in supports(**{**problem_, "expanded_bytes": CUDNN_MAX_EXPANDED_BYTES + 1})
 
 
 @pytest.mark.parametrize("attend", [naive_mla_attention, BLOCKWISE, mla_prefill_attention])
@@ -183,10 +184,11 @@ def test_gpu_policy_picks_per_problem(monkeypatch):
     on the masked call while its mask is small enough, the blockwise op for the rest."""
     monkeypatch.setattr(dispatch, "current_platform", lambda: "gpu")
     base = dict(cached=False, left_padding=False, segments=False, context_split=False, dtype=jnp.bfloat16,
-                qk_dim=192, mask_elements=8192 << 17)
+                qk_dim=192, mask_elements=8192 << 17, expanded_bytes=(1 << 17) * 96 * 2 * 192 * 2)
     cases = [({}, "cudnn"), ({"cached": True}, "cudnn_chunk"), ({"left_padding": True}, "cudnn_masked"),
              ({"cached": True, "left_padding": True}, "cudnn_masked"),
              ({"left_padding": True, "mask_elements": CUDNN_MAX_MASK_ELEMENTS + 1}, "xla"),
+             ({"cached": True, "expanded_bytes": CUDNN_MAX_EXPANDED_BYTES + 1}, "xla"),
              ({"segments": True}, "xla"), ({"cached": True, "context_split": True}, "xla"),
              ({"cached": True, "dtype": jnp.float32}, "xla")]
     for change, name in cases:
