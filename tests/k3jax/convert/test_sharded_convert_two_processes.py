@@ -18,16 +18,17 @@ import k3jax
 from k3jax.checkpoint.store import COMPLETE, ITEMS, MANIFEST
 from k3jax.cli import main
 from tests.k3jax.convert.conftest import k3jax_command
-from tests.local_job import start_local_job
+from tests.local_job import job_logs, start_local_job
 
 MESH = "expert=4,tensor=2"
 
 
 def test_two_processes_write_the_single_host_conversion(tmp_path, golden_dir, converted_fp32):
     out = tmp_path / "out"
-    procs = start_local_job(k3jax_command("convert", golden_dir, out, "--dtype", "float32", "--mesh", MESH, "--quiet"))
+    procs = start_local_job(k3jax_command("convert", golden_dir, out, "--dtype", "float32", "--mesh", MESH, "--quiet"),
+                            tmp_path / "logs")
     try:
-        logs = [proc.communicate(timeout=600)[0] for proc in procs]
+        logs = job_logs(procs, tmp_path / "logs", timeout=600)
     finally:
         for proc in procs:
             proc.kill()

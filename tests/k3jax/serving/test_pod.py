@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -20,17 +21,17 @@ import pytest
 
 import k3jax
 from tests.conftest import GOLDEN_DIR
-from tests.local_job import free_port, start_local_job
+from tests.local_job import free_port, job_logs, start_local_job
 
 MESH = "expert=4,tensor=2"
 NEW = 5
 PROMPT_LENGTH = 9
 
 
-def _start_pod(http_port: int) -> list[subprocess.Popen]:
+def _start_pod(http_port: int, log_dir: Path) -> list[subprocess.Popen]:
     return start_local_job([sys.executable, "-m", "k3jax", "serve", "--model", str(GOLDEN_DIR), "--mesh", MESH,
                             "--dtype", "float32", "--port", str(http_port), "--max-batch", "4", "--max-len", "64",
-                            "--prefill-chunk", "16", "--prefix-cache-mib", "16"])
+                            "--prefill-chunk", "16", "--prefix-cache-mib", "16"], log_dir)
 
 
 def _wait_healthy(url: str, procs: list[subprocess.Popen], seconds: float = 240) -> None:
@@ -48,12 +49,12 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen], seconds: float = 240)
 
 
 @pytest.mark.slow
-def test_a_two_process_pod_serves_the_single_process_tokens(golden_model_fp32):
+def test_a_two_process_pod_serves_the_single_process_tokens(golden_model_fp32, tmp_path):
     rng = np.random.default_rng(3)
     prompts = rng.integers(0, 256, (3, PROMPT_LENGTH)).tolist()
     http_port = free_port()
     url = f"http://127.0.0.1:{http_port}"
-    procs = _start_pod(http_port)
+    procs = _start_pod(http_port, tmp_path)
     try:
         # the reference, while the pod loads: rows of one batch compute what each prompt computes alone
         expected = np.asarray(k3jax.generate(golden_model_fp32, np.asarray(prompts, np.int32),
@@ -71,7 +72,7 @@ def test_a_two_process_pod_serves_the_single_process_tokens(golden_model_fp32):
             served = list(pool.map(complete, prompts))
         assert served == expected
         procs[0].send_signal(signal.SIGINT)
-        logs = [p.communicate(timeout=120)[0] for p in procs]
+        logs = job_logs(procs, tmp_path, timeout=120)
     finally:
         for p in procs:
             p.kill()
