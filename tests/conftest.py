@@ -11,26 +11,9 @@ import os
 # on all devices at once and spinning BLAS threads make the suite many times slower.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-# One persistent compilation cache for the whole run, shared by both xdist workers (they inherit this
-# environment) and by every subprocess a test starts (CLI, notebooks, README blocks). Most of a tiny-model
-# subprocess's time is compiling programs that an earlier test already compiled; from the cache it loads
-# them instead (the executables are the same bytes either way). A size limit turns on the cache's file
-# lock, so a worker never reads an entry that the other is still writing. A cache the caller set is
-# used as it is and kept.
-_RUN_COMPILE_CACHE: str | None = None
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _RUN_COMPILE_CACHE = tempfile.mkdtemp(prefix="k3jax-tests-compiled-")
-    os.environ |= {
-        "JAX_COMPILATION_CACHE_DIR": _RUN_COMPILE_CACHE,
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30),
-    }
-
-import jax  # noqa: E402
+import jax
 import numpy as np
 import pytest
 
@@ -54,12 +37,6 @@ def write_variant(root: Path, golden_dir: Path, tensors: dict[str, np.ndarray]) 
     (root / "config.json").write_bytes((golden_dir / "config.json").read_bytes())
     save_file(tensors, str(root / "model.safetensors"))
     return root
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """The run's compilation cache goes with the process that made it (the controller under xdist)."""
-    if _RUN_COMPILE_CACHE is not None:
-        shutil.rmtree(_RUN_COMPILE_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
