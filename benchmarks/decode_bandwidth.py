@@ -84,6 +84,28 @@ def copy_bandwidth(size: int) -> float:
     return 2 * x.size * 4 / (ms / 1e3)
 
 
+def time_decode(model: K3Model, cfg, batch: int, context: int, steps: int, other: int, routed: int,
+                embedding_row: int, bandwidth: float) -> dict:
+    """Median decode step after a `context`-token prefill, its bytes to read and floor; "steps" is
+    the timed closure (for the trace)."""
+    ids = jax.random.randint(jax.random.key(batch), (batch, context), 0, cfg.vocab_size, jnp.int32)
+    _, cache = prefill(model, ids, capacity=context + 4 * steps + 8)
+    tokens = ids[:, -1]
+    fraction = touched_expert_fraction(model, cache, tokens)
+    read = other + batch * embedding_row + int(routed * fraction) + cache_read_bytes(cache, context)
+
+    def run_steps():
+        nonlocal cache
+        for _ in range(steps):
+            logits, cache = _decode_step(model, cache, tokens)
+        return logits
+
+    step_ms = median_ms(run_steps, reps=3) / steps
+    floor_ms = read / bandwidth * 1e3
+    return {"batch": batch, "step_ms": step_ms, "bytes_read": read, "experts_touched": fraction,
+            "floor_ms": floor_ms, "percent_of_limit": 100 * floor_ms / step_ms, "steps": run_steps}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/kimi_k3.json")
@@ -91,6 +113,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--layouts", default="scan,unrolled",
+                        help="layers scanned over stacked weights and/or unrolled (K3Model.unroll_layers)")
     parser.add_argument("--smoke", action="store_true", help="the tiny model on CPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -107,38 +131,31 @@ def main() -> None:
                "context": context, "copy_bandwidth_bytes_per_s": bandwidth, "non_routed_param_bytes": other,
                "routed_param_bytes": routed, "runs": []}
     print(json.dumps(results), flush=True)
-    for batch in batches:
-        ids = jax.random.randint(jax.random.key(batch), (batch, context), 0, cfg.vocab_size, jnp.int32)
-        _, cache = prefill(model, ids, capacity=context + 4 * args.steps + 8)
-        tokens = ids[:, -1]
-        fraction = touched_expert_fraction(model, cache, tokens)
-        read = other + batch * embedding_row + int(routed * fraction) + cache_read_bytes(cache, context)
-
-        def steps():
-            nonlocal cache
-            for _ in range(args.steps):
-                logits, cache = _decode_step(model, cache, tokens)
-            return logits
-
-        step_ms = median_ms(steps, reps=3) / args.steps
-        floor_ms = read / bandwidth * 1e3
-        run = {"batch": batch, "step_ms": step_ms, "bytes_read": read, "experts_touched": fraction,
-               "floor_ms": floor_ms, "percent_of_limit": 100 * floor_ms / step_ms}
-        if batch == batches[-1]:
-            results["top_ops"] = traced_ops(steps)[: args.top]
-            results["top_ops_batch"] = batch
-        results["runs"].append(run)
-        print(json.dumps(run), flush=True)
-    print("\n| batch | step ms | bytes read (MB) | experts touched | floor ms | % of limit |")
-    print("|---|---|---|---|---|---|")
+    layouts = args.layouts.split(",")
+    if layouts not in (["scan"], ["unrolled"], ["scan", "unrolled"]):  # unrolling is one-way: scan first
+        parser.error(f"--layouts: expected scan, unrolled or scan,unrolled; got {args.layouts!r}")
+    results["top_ops"] = {}
+    for layout in layouts:
+        if layout == "unrolled":
+            model.unroll_layers()
+        for batch in batches:
+            run = time_decode(model, cfg, batch, context, args.steps, other, routed, embedding_row, bandwidth)
+            run["layout"] = layout
+            if batch == batches[-1]:
+                results["top_ops"][layout] = traced_ops(run.pop("steps"))[: args.top]
+            run.pop("steps", None)
+            results["runs"].append(run)
+            print(json.dumps(run), flush=True)
+    print("\n| layers | batch | step ms | bytes read (MB) | experts touched | floor ms | % of limit |")
+    print("|---|---|---|---|---|---|---|")
     for r in results["runs"]:
-        print(f"| {r['batch']} | {r['step_ms']:.3f} | {r['bytes_read'] / 1e6:.1f} | "
+        print(f"| {r['layout']} | {r['batch']} | {r['step_ms']:.3f} | {r['bytes_read'] / 1e6:.1f} | "
               f"{100 * r['experts_touched']:.0f}% | {r['floor_ms']:.3f} | {r['percent_of_limit']:.0f}% |")
-    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s; top ops at batch {results.get('top_ops_batch')}:")
-    print("| op | total us | calls | share |")
-    print("|---|---|---|---|")
-    for op in results.get("top_ops", []):
-        print(f"| {op['op'][:70]} | {op['total_us']:.0f} | {op['calls']} | {100 * op['share']:.1f}% |")
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    for layout, ops in results["top_ops"].items():
+        print(f"\ntop ops, layers {layout}, batch {batches[-1]}:\n| op | total us | calls | share |\n|---|---|---|---|")
+        for op in ops:
+            print(f"| {op['op'][:70]} | {op['total_us']:.0f} | {op['calls']} | {100 * op['share']:.1f}% |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

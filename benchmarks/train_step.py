@@ -5,18 +5,18 @@ layers and experts (benchmarks/e2e_reduced_k3.py builds it the same way), random
 
 * LoRA step (rank 16, the trainer's default targets) with the routed experts MXFP4-packed and frozen,
   at `--layers` / `--experts` (default 8 / 32): what fine-tuning K3 itself runs;
-* full fine-tuning step (every weight trained, fp32 masters and AdamW moments) at `--full-layers` /
-  `--full-experts`: about 18 bytes per parameter, so at full width only a multi-GPU mesh holds it (the
-  embedding and LM head alone are 2.35 G parameters; `k3jax plan --train full` says how much). `--modes`
-  picks which steps run.
+* full fine-tuning step (fp32 masters and AdamW moments) at `--full-layers` / `--full-experts` (default
+  2 / 8), with `--full-freeze` (default: the embedding and LM head) frozen: about 16 bytes per trained
+  parameter, so at full width only a multi-GPU mesh holds more (the embedding and LM head alone are
+  2.35 G parameters; `k3jax plan --train full` says how much). `--modes` picks which steps run.
 
 Each step is timed with the dispatch policy's kernels (on GPU the Pallas KDA and grouped-GEMM kernels) and
 with the pure-XLA implementations; the kernels' gain is the difference. One more step is traced
 (`benchmarks/trace.py`): the Pallas kernels' share of its device time and its top ops. MFU = model FLOP/s / the dense bf16
 matmul FLOP/s measured in the same job (an 8192^3 `jnp.dot`), where model FLOPs per token = 6 x the
-active parameters (top-k of the routed experts; attention scores not counted, so MFU is a lower bound;
-LoRA steps still run the full forward and the activation backward of every layer, i.e. 4 x active
-instead of 6 x, which the table uses for them).
+active matmul parameters (top-k of the routed experts; not the embedding, a lookup; attention scores
+not counted, so MFU is a lower bound) for trained weights and 4 x for frozen ones (forward and the
+activation backward, no weight gradient): LoRA steps count 4 x everything.
 
     PYTHONPATH=. python benchmarks/train_step.py --out train_step.json              # one H100 / H200
     PYTHONPATH=. python benchmarks/train_step.py --smoke --out smoke.json            # CPU, tiny config
@@ -25,6 +25,7 @@ instead of 6 x, which the table uses for them).
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import dataclasses
 import json
 import time
@@ -55,20 +56,19 @@ def matmul_tflops(n: int, reps: int) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
-def active_params(model: K3Model, cfg: K3Config) -> int:
-    """Parameters one token runs through: everything but the routed experts, plus top_k of E of them
-    (counted as decoded weights, whatever their storage: a packed byte holds two)."""
-    dense = experts = 0
+def active_params(model: K3Model, cfg: K3Config, frozen: tuple[str, ...]) -> tuple[int, int]:
+    """(all, frozen): matmul parameters one token runs through, and those matching `frozen` (fnmatch
+    over parameter names): everything but the routed experts and the embedding (a lookup), plus
+    top_k of E of the experts (counted as decoded weights, whatever their storage: a byte holds two)."""
+    totals = {False: [0, 0], True: [0, 0]}  # frozen? -> [dense, experts]
     for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
         name = ".".join(map(str, path_names(path)))
-        if name.endswith(".scale"):
+        if name.endswith(".scale") or name.startswith("embed_tokens."):
             continue
         size = int(np.prod(leaf.shape)) * (2 if name.endswith(".packed") else 1)
-        if ".experts." in name:
-            experts += size
-        else:
-            dense += size
-    return dense + experts * cfg.num_experts_per_token // cfg.num_experts
+        totals[any(fnmatch.fnmatch(name, p) for p in frozen)][".experts." in name] += size
+    active = {k: dense + experts * cfg.num_experts_per_token // cfg.num_experts for k, (dense, experts) in totals.items()}
+    return active[False] + active[True], active[True]
 
 
 def fill_packed(model: K3Model, seed: int = 0) -> K3Model:
@@ -116,8 +116,10 @@ def main() -> None:
     parser.add_argument("--config", default="configs/kimi_k3.json")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--full-layers", type=int, default=4)
+    parser.add_argument("--full-layers", type=int, default=2)
     parser.add_argument("--full-experts", type=int, default=8)
+    parser.add_argument("--full-freeze", default="embed_tokens.*,lm_head.*",
+                        help="comma-separated fnmatch patterns of parameters the full step keeps frozen")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--lora-rank", type=int, default=16)
@@ -150,17 +152,20 @@ def main() -> None:
             model = K3Model.init(cfg, seed=0, kernels=KERNELS[name])
             if packed:
                 model = fill_packed(pack_routed_experts(model))
-            active = active_params(model, cfg)
+            freeze = tuple(p for p in args.full_freeze.split(",") if p) if mode == "full" else ()
+            active, frozen = active_params(model, cfg, freeze)
             config = TrainConfig(learning_rate=1e-5, total_steps=1000, lora_rank=args.lora_rank if mode == "lora" else 0,
-                                 remat=args.remat)
+                                 remat=args.remat, freeze=freeze)
             run = {"mode": mode, "kernels": name, "layers": layers, "experts": experts,
-                   "experts_storage": "mxfp4" if packed else "bf16", "active_params": active}
+                   "experts_storage": "mxfp4" if packed else "bf16", "active_params": active,
+                   "frozen_active_params": active if mode == "lora" else frozen, "frozen": list(freeze)}
             try:
                 timing = time_step(model, config, random_batch(cfg, args.batch, args.seq_len), args.reps, args.top)
             except Exception as err:  # noqa: BLE001 - out of memory in one configuration is a result
                 run["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
             else:
-                tflops = timing["tokens_per_s"] * (4 if mode == "lora" else 6) * active / 1e12
+                flops_per_token = 6 * active - 2 * run["frozen_active_params"]
+                tflops = timing["tokens_per_s"] * flops_per_token / 1e12
                 run.update(timing, model_tflops=tflops, mfu=tflops / peak)
             results["runs"].append(run)
             print(json.dumps({k: v for k, v in run.items() if k != "top_ops"}), flush=True)
@@ -171,7 +176,8 @@ def main() -> None:
         if "error" in r:
             print(f"| {r['mode']} | {r['layers']} x {r['experts']} | {r['kernels']} | {r['error'][:80]} | | | | |")
             continue
-        print(f"| {r['mode']} ({r['experts_storage']} experts) | {r['layers']} x {r['experts']} | {r['kernels']} | "
+        frozen = f", frozen {' '.join(r['frozen'])}" if r["mode"] == "full" and r["frozen"] else ""
+        print(f"| {r['mode']} ({r['experts_storage']} experts{frozen}) | {r['layers']} x {r['experts']} | {r['kernels']} | "
               f"{r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['model_tflops']:.1f} | {100 * r['mfu']:.1f}% | "
               f"{100 * r['kernels_share']:.0f}% |")
     for r in results["runs"]:

@@ -19,7 +19,7 @@ from flax import nnx
 
 from k3jax.config import K3Config
 from k3jax.kernels import Kernels
-from k3jax.layer_plan import plan_layers
+from k3jax.layer_plan import LayerPlan, plan_layers
 from k3jax.nn.attn_res import AttnResStream, attn_res_mix
 from k3jax.nn.decoder import DecoderLayer, LayerCache, LayerTaps
 from k3jax.nn.layers import F32, Linear, RMSNorm, declare, linear, normal_init
@@ -73,6 +73,15 @@ class Embedding(nnx.Module):
 
 def _stack(trees: list) -> object:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _unstack(stacked: jax.Array) -> tuple[jax.Array, ...]:
+    """The [G, ...] array's G slices, each sharded like the stacked array minus its leading axis."""
+    sharding = stacked.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec)[1:]
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    return jax.jit(lambda a: tuple(a), out_shardings=sharding)(stacked)
 
 
 class K3Model(nnx.Module):
@@ -136,6 +145,35 @@ class K3Model(nnx.Module):
         for _, module in nnx.iter_modules(self):
             if hasattr(module, "kernels"):
                 module.kernels = kernels
+
+    def unroll_layers(self) -> None:
+        """Hold every decoder layer's weights as arrays of its own, in place: the forward then runs
+        the layers unrolled instead of under `lax.scan`.
+
+        Why: each step of the scan slices its layer's weights out of the stacked arrays, and a slice
+        feeding a custom call (the Pallas kernels, cuBLAS) is copied, so a GPU decode step copies
+        most of the weights before reading them. Unrolled, every kernel reads its weights where they
+        lie. The cost is compile time, which grows with the depth. For inference: training,
+        checkpoints and export keep the stacked layout. Each stacked array is dropped as soon as it is
+        split, so unless something else holds it the peak memory is one array more, not a second model.
+        """
+        if self.group_layers is None:
+            return
+        graphdef, state = nnx.split(self.group_layers)
+        self.group_layers = None
+        leaves, treedef = jax.tree.flatten(state)
+        del state  # `leaves` now holds the only references this model had
+        per_group: list[list[jax.Array]] = [[] for _ in range(self.plan.num_groups)]
+        for i, leaf in enumerate(leaves):
+            for g, part in enumerate(_unstack(leaf)):
+                per_group[g].append(part)
+            leaves[i] = leaf = None  # freed now unless referenced elsewhere
+        groups = [nnx.merge(graphdef, jax.tree.unflatten(treedef, parts)) for parts in per_group]
+        layers = [*self.head_layers, *(layer for group in groups for layer in group), *self.tail_layers]
+        n = self.config.num_hidden_layers
+        self.plan = LayerPlan(num_layers=n, start=n, period=1, num_groups=0)  # all layers in the head
+        self.head_layers = nnx.List(layers)
+        self.tail_layers = nnx.List([])
 
     # ---- access by layer index ----------------------------------------------------------
     def layer(self, index: int) -> DecoderLayer:

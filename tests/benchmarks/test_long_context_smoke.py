@@ -34,8 +34,11 @@ def test_long_prompt_smoke(monkeypatch, tmp_path):
 
 def test_decode_bandwidth_smoke(monkeypatch, tmp_path):
     result = run(monkeypatch, decode_bandwidth, tmp_path / "db.json")
-    assert [r["batch"] for r in result["runs"]] == [1, 4]
+    assert [(r["layout"], r["batch"]) for r in result["runs"]] == [("scan", 1), ("scan", 4), ("unrolled", 1),
+                                                                    ("unrolled", 4)]
     for r in result["runs"]:
         assert r["bytes_read"] > result["non_routed_param_bytes"] and 0 < r["experts_touched"] <= 1
         assert r["step_ms"] > 0 and r["percent_of_limit"] > 0
-    assert result["top_ops"] and all(op["total_us"] >= 0 for op in result["top_ops"])
+    for layout in ("scan", "unrolled"):
+        ops = result["top_ops"][layout]
+        assert ops and all(op["total_us"] >= 0 for op in ops)

@@ -26,6 +26,9 @@ def test_train_step_smoke(tmp_path):
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["active_params"] > 0
         # The smoke runs use the XLA implementations: a traced step with ops, none of them a Pallas kernel.
         assert r["top_ops"] and r["kernels_share"] == 0
+    lora, full = result["runs"]
+    assert lora["frozen_active_params"] == lora["active_params"]  # LoRA: every base weight frozen
+    assert 0 < full["frozen_active_params"] < full["active_params"]  # the full step's frozen LM head
     assert "| lora (mxfp4 experts) |" in proc.stdout
 
 
