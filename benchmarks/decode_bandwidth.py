@@ -141,11 +141,11 @@ def main() -> None:
         for batch in batches:
             run = time_decode(model, cfg, batch, context, args.steps, other, routed, embedding_row, bandwidth)
             run["layout"] = layout
-            if batch == batches[-1]:
-                results["top_ops"][layout] = traced_ops(run.pop("steps"))[: args.top]
-            run.pop("steps", None)
+            steps = run.pop("steps")
             results["runs"].append(run)
             print(json.dumps(run), flush=True)
+            if batch == batches[-1]:
+                results["top_ops"][layout] = traced_ops(steps)[: args.top]
     print("\n| layers | batch | step ms | bytes read (MB) | experts touched | floor ms | % of limit |")
     print("|---|---|---|---|---|---|---|")
     for r in results["runs"]:
