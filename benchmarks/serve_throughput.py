@@ -34,7 +34,7 @@ from benchmarks.e2e_reduced_k3 import reduced_config
 from k3jax.assets import tiny_checkpoint
 from k3jax.generate import generate
 from k3jax.model import K3Model
-from k3jax.pretrained import from_pretrained
+from k3jax.pretrained import LAYER_LAYOUTS, from_pretrained, unrolls
 from k3jax.serving.prefix_cache import PrefixCache
 from k3jax.serving.request import Finish, GenerationRequest
 from k3jax.serving.scheduler import Scheduler
@@ -142,18 +142,22 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         default=inspect.signature(Scheduler).parameters["max_prefill_tokens"].default,
                         help="the engine's bound on one batched admission (rows x padded width)")
     parser.add_argument("--prefix-cache-mib", type=int, default=8192)
+    parser.add_argument("--layer-layout", choices=LAYER_LAYOUTS, default="auto",
+                        help="as `k3jax serve --layers` (auto: unrolled on GPU/TPU)")
     parser.add_argument("--smoke", action="store_true", help="CPU: the tiny checkpoint, small shapes")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.smoke:
-        model = from_pretrained(tiny_checkpoint(), dtype="float32")
+        model = from_pretrained(tiny_checkpoint(), dtype="float32", layers=args.layer_layout)
         args.clients, args.prompt, args.new, args.chunk, args.turn = "1", 12, 4, 16, 5
     else:
         model = K3Model.init(reduced_config(args.config, args.layers, args.experts), seed=0)
+        if unrolls(args.layer_layout):
+            model.unroll_layers()
     rng = np.random.default_rng(0)
     results = {"device": str(jax.devices()[0]), "layers": model.config.num_hidden_layers,
                "experts": model.config.num_experts, "prompt": args.prompt, "new": args.new, "chunk": args.chunk,
-               "max_prefill_tokens": args.max_prefill_tokens, "levels": []}
+               "max_prefill_tokens": args.max_prefill_tokens, "unrolled": model.group_layers is None, "levels": []}
 
     def record(part: dict) -> None:
         """Print each part as it finishes and rewrite --out, so a run cut short keeps what it measured."""

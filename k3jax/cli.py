@@ -26,7 +26,7 @@ from k3jax.demo import run_demo
 from k3jax.generate import generate
 from k3jax.load.paths import checkpoint_path, is_remote, load_config
 from k3jax.memory_plan.command import add_plan_command, int_at_least, run_plan_command
-from k3jax.pretrained import from_pretrained
+from k3jax.pretrained import add_layers_argument, from_pretrained
 from k3jax.serving.command import add_serve_command, run_serve_command
 from k3jax.tokenizer import ByteFallbackWarning, Tokenizer, check_text, load_tokenizer
 from k3jax.training.command import add_finetune_command, run_finetune_command
@@ -171,7 +171,7 @@ def _run_generation(args: argparse.Namespace) -> int:
         print(f"error: --top-k {args.top_k}: expected at most the vocabulary size {config.vocab_size}", file=sys.stderr)
         return 2
     try:
-        model = from_pretrained(args.model, dtype=args.dtype, mesh=args.mesh)
+        model = from_pretrained(args.model, dtype=args.dtype, mesh=args.mesh, layers=args.layers)
     except (CheckpointError, ConfigError, OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -293,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--top-p", type=_number(0, 1, low_open=True), default=None, help="in (0, 1]")
     gen.add_argument("--seed", type=_seed, default=0, help="in [0, 2**63 - 1]")
     gen.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    add_layers_argument(gen)
 
     add_chat_command(commands)
 

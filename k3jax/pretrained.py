@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping
 
+import jax
 from jax.sharding import Mesh
 
 from k3jax.checkpoint.safetensors_index import CheckpointError
@@ -15,12 +17,13 @@ from k3jax.load.paths import checkpoint_path, is_remote, remote_is_file
 from k3jax.model import K3Model
 
 _DTYPES = ("bfloat16", "float32")
+LAYER_LAYOUTS = ("scanned", "unrolled", "auto")
 
 
 def from_pretrained(
     path: str | os.PathLike, *, dtype: str = "bfloat16", mesh: str | Mesh | None = None,
     kernels: Kernels | Mapping[str, str | None] | None = None, experts: str | None = None,
-    verify: bool = False,
+    verify: bool = False, layers: str = "scanned",
 ) -> K3Model:
     """Load a Hugging Face K3 release directory (config.json, safetensors index and shards), or a
     directory written by `k3jax convert` (recognised by its manifest; it must be COMPLETE). A converted
@@ -45,9 +48,38 @@ def from_pretrained(
     at conversion, so a damaged file is an error naming its item instead of silently wrong weights.
     It costs a full read and checksum of every item on the host (with a mesh, on top of the sharded
     restore): about the time of converting without writing. A release directory has no checksums.
+
+    `layers`: "scanned" keeps the repeated layer groups stacked under `lax.scan` (fast compiles; what
+    training, checkpoints and export need); "unrolled" gives every layer arrays of its own
+    (`K3Model.unroll_layers`: decode reads each weight in place instead of copying it first, at a
+    longer compile); "auto" unrolls on GPU and TPU, where the weights feed custom-call kernels, and
+    scans on CPU.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {_DTYPES}")
+    unroll = unrolls(layers)
+    model = _load(path, dtype=dtype, mesh=mesh, kernels=kernels, experts=experts, verify=verify)
+    if unroll:
+        model.unroll_layers()
+    return model
+
+
+def unrolls(layers: str) -> bool:
+    """Whether the layout `layers` (one of LAYER_LAYOUTS) unrolls the layers on this backend."""
+    if layers not in LAYER_LAYOUTS:
+        raise ValueError(f"layers={layers!r}: expected one of {LAYER_LAYOUTS}")
+    return layers == "unrolled" or (layers == "auto" and jax.default_backend() != "cpu")
+
+
+def add_layers_argument(parser: argparse.ArgumentParser) -> None:
+    """`--layers` of the inference commands (generate, chat, serve): `from_pretrained`'s `layers`."""
+    parser.add_argument("--layers", choices=LAYER_LAYOUTS, default="auto",
+                        help="scanned: faster compiles; unrolled: faster decode (each layer's weights read "
+                             "in place); auto (default): unrolled on GPU/TPU, scanned on CPU")
+
+
+def _load(path: str | os.PathLike, *, dtype: str, mesh: str | Mesh | None,
+          kernels: Kernels | Mapping[str, str | None] | None, experts: str | None, verify: bool) -> K3Model:
     kernels = Kernels.of(kernels)
     root = checkpoint_path(path)  # once, for every road below: a URL as given, a local path made absolute
     if is_remote(root):

@@ -29,7 +29,7 @@ from k3jax.chat.tokens import k3_tokenizer
 from k3jax.checkpoint.safetensors_index import CheckpointError
 from k3jax.config import ConfigError, K3Config
 from k3jax.memory_plan.command import int_at_least
-from k3jax.pretrained import from_pretrained
+from k3jax.pretrained import add_layers_argument, from_pretrained
 from k3jax.tokenizer import check_text, load_tokenizer
 from k3jax.vision.processor import ProcessorConfig, load_image
 
@@ -76,6 +76,7 @@ def add_chat_command(commands: argparse._SubParsersAction) -> None:
                       help=">= 0; 0 is greedy (default 1.0)")
     chat.add_argument("--seed", type=_seed, default=0, metavar="S", help="in [0, 2**32 - 1]")
     chat.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    add_layers_argument(chat)
 
 
 def _visible(text: str) -> str:
@@ -145,7 +146,7 @@ def run_chat_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     try:
-        model = from_pretrained(args.model, dtype=args.dtype)
+        model = from_pretrained(args.model, dtype=args.dtype, layers=args.layers)
         chat = Chat(model, tokenizer, system=args.system, thinking=None if args.thinking == "off" else args.thinking,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                     processor=processor)

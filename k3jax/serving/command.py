@@ -19,7 +19,7 @@ from k3jax.chat import k3_tokenizer
 from k3jax.checkpoint.safetensors_index import CheckpointError
 from k3jax.config import ConfigError, K3Config
 from k3jax.memory_plan.command import int_at_least
-from k3jax.pretrained import from_pretrained
+from k3jax.pretrained import add_layers_argument, from_pretrained
 from k3jax.serving.metrics import Metrics
 from k3jax.serving.prefix_cache import PrefixCache
 from k3jax.serving.replicate import BroadcastChannel, ReplicatedScheduler
@@ -44,6 +44,7 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--model", type=Path, required=True, help="HF release or `k3jax convert` directory")
     serve.add_argument("--mesh", metavar="SPEC", default=None, help="e.g. expert=8,tensor=8 (default: one device)")
     serve.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    add_layers_argument(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int_at_least(0), default=8000)
     serve.add_argument("--max-batch", type=int_at_least(1), default=16, help="requests decoded together (slots)")
@@ -71,7 +72,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     except ValueError as err:
         logging.getLogger(__name__).warning("no chat endpoint: %s", err)
         chat_tokenizer = None
-    model = from_pretrained(args.model, dtype=args.dtype, mesh=args.mesh)
+    model = from_pretrained(args.model, dtype=args.dtype, mesh=args.mesh, layers=args.layers)
     engine = dict(max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                   max_prefill_tokens=args.max_prefill_tokens, max_queue=args.max_queue,
                   prefix_cache=PrefixCache(args.prefix_cache_mib * MIB),

@@ -18,4 +18,5 @@ def test_smoke(tmp_path, capsys):
         assert math.isfinite(level[key]) and level[key] > 0, key
     assert results["second_turn"]["with_prefix_cache_ms"] > 0
     assert results["max_prefill_tokens"] == 8192
+    assert results["unrolled"] is False  # --layer-layout auto scans on CPU
     assert "| clients | served tok/s |" in capsys.readouterr().out

@@ -47,13 +47,14 @@ def test_generate_text_prompt_on_a_mesh():
 
 
 def test_generate_stop_ends_the_reference_continuation(golden_reference, capsys):
-    """In-process, the real model: --stop TOKEN ends the greedy continuation at its first occurrence."""
+    """In-process, the real model with its layers unrolled: --stop TOKEN ends the greedy continuation at
+    its first occurrence."""
     reference = golden_reference("generate_fp32")
     new_ids = [int(i) for i in reference["new_ids"][0]]
     stop = new_ids[3]
     prompt = ",".join(map(str, reference["prompt_ids"][0]))
     assert main(["generate", "--model", str(GOLDEN_DIR), "--ids", prompt, "--max-new-tokens", "12",
-                 "--dtype", "float32", "--stop", str(stop)]) == 0
+                 "--dtype", "float32", "--layers", "unrolled", "--stop", str(stop)]) == 0
     ids_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ids: "))
     assert eval(ids_line.removeprefix("ids: ")) == new_ids[: new_ids.index(stop) + 1]
 

@@ -80,3 +80,10 @@ def test_sharded_model_keeps_its_shardings(golden_model_fp32):
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 16)), jnp.int32)
     sharded_logits = model(shard_batch(prompt, mesh))
     assert rel_rms(sharded_logits, np.asarray(golden_model_fp32(prompt))) <= 1e-5  # tests/sharding's bound
+
+
+def test_from_pretrained_layers_choice():
+    assert k3jax.from_pretrained(GOLDEN_DIR, dtype="float32", layers="unrolled").plan.num_groups == 0
+    assert k3jax.from_pretrained(GOLDEN_DIR, dtype="float32", layers="auto").plan.num_groups > 0  # CPU: scanned
+    with pytest.raises(ValueError, match=r"layers='flat': expected one of \('scanned', 'unrolled', 'auto'\)"):
+        k3jax.from_pretrained(GOLDEN_DIR, layers="flat")

@@ -19,7 +19,7 @@ MAX_LEN = 64
 
 
 def _client(**flags) -> TestClient:
-    args = argparse.Namespace(model=GOLDEN_DIR, mesh=None, dtype="float32", max_batch=2, max_len=MAX_LEN,
+    args = argparse.Namespace(model=GOLDEN_DIR, mesh=None, dtype="float32", layers="auto", max_batch=2, max_len=MAX_LEN,
                               prefill_chunk=16, max_prefill_tokens=64, max_queue=8, prefix_cache_mib=0,
                               served_model_name="tiny")
     for key, value in flags.items():

@@ -19,7 +19,7 @@ class LiveServer:
     """`k3jax serve` in this process: start() returns once /health answers; stop() drains and joins."""
 
     def __init__(self, model_dir: Path, **flags) -> None:
-        args = argparse.Namespace(model=model_dir, mesh=None, dtype="float32", max_batch=8, max_len=512,
+        args = argparse.Namespace(model=model_dir, mesh=None, dtype="float32", layers="unrolled", max_batch=8, max_len=512,
                                   prefill_chunk=64, max_prefill_tokens=8192, max_queue=1024, prefix_cache_mib=64,
                                   served_model_name="tiny")
         for key, value in flags.items():
