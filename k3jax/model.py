@@ -153,8 +153,8 @@ class K3Model(nnx.Module):
         Why: each step of the scan slices its layer's weights out of the stacked arrays, and a slice
         feeding a custom call (the Pallas kernels, cuBLAS) is copied, so a GPU decode step copies
         most of the weights before reading them. Unrolled, every kernel reads its weights where they
-        lie. The cost is compile time, which grows with the depth. For inference: training,
-        checkpoints and export keep the stacked layout. Each stacked array is dropped as soon as it is
+        lie. The cost is compile time, which grows with the depth: meant for inference (training,
+        with its larger step, keeps the scan). Each stacked array is dropped as soon as it is
         split, so unless something else holds it the peak memory is one array more, not a second model.
         """
         if self.group_layers is None:

@@ -49,8 +49,8 @@ def from_pretrained(
     It costs a full read and checksum of every item on the host (with a mesh, on top of the sharded
     restore): about the time of converting without writing. A release directory has no checksums.
 
-    `layers`: "scanned" keeps the repeated layer groups stacked under `lax.scan` (fast compiles; what
-    training, checkpoints and export need); "unrolled" gives every layer arrays of its own
+    `layers`: "scanned" keeps the repeated layer groups stacked under `lax.scan` (compile time flat in
+    depth; what training uses); "unrolled" gives every layer arrays of its own
     (`K3Model.unroll_layers`: decode reads each weight in place instead of copying it first, at a
     longer compile); "auto" unrolls on GPU and TPU, where the weights feed custom-call kernels, and
     scans on CPU.
