@@ -115,6 +115,21 @@ def test_chunk_never_reads_keys_past_its_last_query():
         assert rel(run(latents, offset), numpy_attention(q, latents, w, offset, None)) <= TOL
 
 
+@pytest.mark.parametrize("past_block", [7, 10, 40])
+def test_chunk_past_in_blocks_matches_numpy(past_block):
+    """The chunk's past as several calls over blocks of cached positions (40 keys: 6 blocks of 7 with
+    a padded tail, 4 of 10, one of 40), merged with its own keys; cache rows after the chunk may hold
+    anything. The offset is traced, as the model's cache length is."""
+    q, latents, w = problem(9, 40)
+    run = jax.jit(lambda lat, offset: cudnn_chunk_mla_attention(
+        q=q, latents=lat, w_kv_b=w, nope_dim=N, scale=SCALE, q_offset=offset, implementation="xla",
+        past_block=past_block))
+    for offset in (0, 10, 17, 31):
+        out = run(latents, offset)
+        assert rel(out, numpy_attention(q, latents, w, offset, None)) <= TOL
+        np.testing.assert_array_equal(out, run(latents.at[:, offset + 9:].set(1e4), offset))
+
+
 def test_blockwise_gradient_matches_naive():
     """The forward without a cache trains through the blockwise path: its gradient is the naive one's."""
     q, latents, w = problem(11, 11, seed=3)
@@ -154,7 +169,10 @@ def test_policy_and_cudnn_limits():
         assert "context mesh axis" in supports(**{**problem_, "context_split": True})
         assert "bf16" in supports(**{**problem_, "dtype": jnp.float32})
         assert "head sizes" in supports(**{**problem_, "qk_dim": 576})
+    # One call expands all S positions; the chunk's past runs in bounded blocks, so any cache length.
+    for supports, problem_ in ((cudnn_supports, k3), (cudnn_masked_supports, chunk)):
         assert "expanded keys" in supports(**{**problem_, "expanded_bytes": CUDNN_MAX_EXPANDED_BYTES + 1})
+    assert cudnn_chunk_supports(**{**chunk, "expanded_bytes": CUDNN_MAX_EXPANDED_BYTES * 4}) is None
 
 
 @pytest.mark.parametrize("attend", [naive_mla_attention, BLOCKWISE, mla_prefill_attention])
@@ -188,7 +206,8 @@ def test_gpu_policy_picks_per_problem(monkeypatch):
     cases = [({}, "cudnn"), ({"cached": True}, "cudnn_chunk"), ({"left_padding": True}, "cudnn_masked"),
              ({"cached": True, "left_padding": True}, "cudnn_masked"),
              ({"left_padding": True, "mask_elements": CUDNN_MAX_MASK_ELEMENTS + 1}, "xla"),
-             ({"cached": True, "expanded_bytes": CUDNN_MAX_EXPANDED_BYTES + 1}, "xla"),
+             ({"cached": True, "expanded_bytes": CUDNN_MAX_EXPANDED_BYTES + 1}, "cudnn_chunk"),
+             ({"expanded_bytes": CUDNN_MAX_EXPANDED_BYTES + 1}, "xla"),
              ({"segments": True}, "xla"), ({"cached": True, "context_split": True}, "xla"),
              ({"cached": True, "dtype": jnp.float32}, "xla")]
     for change, name in cases:
