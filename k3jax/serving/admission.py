@@ -88,8 +88,13 @@ def prefill_batch(model: K3Model, prompts: Sequence[Sequence[int]], width: int, 
     for r, prompt in enumerate(prompts):
         ids[r, width - len(prompt):] = prompt
         start[r] = width - len(prompt)
-    cache = model.empty_cache(rows, width)._replace(start=jnp.asarray(start))
-    return extend(model, cache, ids)
+    # Without a padded row (every prompt as wide as the batch) the prefill runs unmasked, as `generate`
+    # on equal prompts does (on GPU: cuDNN's causal mask rather than an explicit mask array); the
+    # cache gets its starts afterwards either way, for the rows' insertion and prefix snapshots.
+    padded = bool(start.any())
+    cache = model.empty_cache(rows, width)
+    logits, cache = extend(model, cache._replace(start=jnp.asarray(start)) if padded else cache, ids)
+    return logits, cache._replace(start=jnp.asarray(start))
 
 
 @dataclass(eq=False)

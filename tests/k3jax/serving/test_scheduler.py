@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import k3jax
+from k3jax.serving import admission
 from k3jax.serving import scheduler as scheduler_module
 from k3jax.serving.prefix_cache import PrefixCache
 from k3jax.serving.request import Finish, GenerationRequest
@@ -175,6 +176,29 @@ def test_a_burst_is_admitted_in_one_step(golden_model_fp32, engine, monkeypatch)
     engine.run_until_idle()
     for i, (req, sink) in enumerate(zip(requests, sinks)):
         assert sink.tokens == _alone(golden_model_fp32, req), f"request {i} (prompt {len(req.prompt)} tokens)"
+
+
+def test_a_batch_without_padding_runs_unmasked(golden_model_fp32, engine, monkeypatch):
+    """Prompts as wide as their bucket fill every row: the batch prefills with no left-padding starts
+    (the unmasked attention `generate` uses on equal prompts), and each request still gets the
+    tokens `generate` gives it alone."""
+    starts = []
+    real_extend = admission.extend
+
+    def recording(model, cache, ids):
+        starts.append(cache.start)
+        return real_extend(model, cache, ids)
+
+    monkeypatch.setattr(admission, "extend", recording)
+    rng = np.random.default_rng(13)
+    requests = [GenerationRequest(tuple(rng.integers(0, 256, CHUNK).tolist()), 6) for _ in range(MAX_BATCH)]
+    sinks = [Collect() for _ in requests]
+    for req, sink in zip(requests, sinks):
+        engine.submit(req, sink)
+    engine.run_until_idle()
+    assert starts == [None]
+    for i, (req, sink) in enumerate(zip(requests, sinks)):
+        assert sink.tokens == _alone(golden_model_fp32, req), f"request {i}"
 
 
 def test_cancel_while_the_batch_is_prefilled(golden_model_fp32, engine, monkeypatch):
