@@ -68,6 +68,7 @@ def cudnn_chunk_mla_attention(q: jax.Array, latents: jax.Array, w_kv_b: jax.Arra
     block = -(-total // blocks)  # balanced; the padded tail lies past the cache, hidden like any key from the offset on
     value_dim = w_kv_b.shape[0] // heads - nope_dim
     offset = jnp.asarray(q_offset, jnp.int32)
+    padded = jnp.pad(latents, ((0, 0), (0, blocks * block - total), (0, 0)))
 
     def keys_values(lat: jax.Array) -> tuple[jax.Array, jax.Array]:
         k, v = expand_keys_values(lat, w_kv_b, heads, nope_dim, q.dtype)
@@ -87,7 +88,6 @@ def cudnn_chunk_mla_attention(q: jax.Array, latents: jax.Array, w_kv_b: jax.Arra
         return None, jax.lax.cond(first < offset, attend_block, skip_block, first)
 
     # One block at a time under `lax.scan`, so only one block's keys and values are ever expanded.
-    padded = jnp.pad(latents, ((0, 0), (0, blocks * block - total), (0, 0)))
     _, (past, past_lse) = jax.lax.scan(past_call, None, jnp.arange(blocks, dtype=jnp.int32) * block)
     own_k, own_v = keys_values(jax.lax.dynamic_slice_in_dim(latents, offset, seq, axis=1))
     own, own_lse = _attend(q, own_k, own_v, scale=scale, causal=True, kv_length=None, implementation=implementation)
