@@ -25,8 +25,8 @@ activation backward, no weight gradient): LoRA steps count 4 x everything.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import dataclasses
+import fnmatch
 import json
 import time
 
@@ -58,7 +58,7 @@ def matmul_tflops(n: int, reps: int) -> float:
 
 def active_params(model: K3Model, cfg: K3Config, frozen: tuple[str, ...]) -> tuple[int, int]:
     """(all, frozen): matmul parameters one token runs through, and those matching `frozen` (fnmatch
-    over parameter names): everything but the routed experts and the embedding (a lookup), plus
+    over parameter names, as `TrainConfig.freeze` matches them): everything but the routed experts and the embedding (a lookup), plus
     top_k of E of the experts (counted as decoded weights, whatever their storage: a byte holds two)."""
     totals = {False: [0, 0], True: [0, 0]}  # frozen? -> [dense, experts]
     for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
@@ -66,7 +66,7 @@ def active_params(model: K3Model, cfg: K3Config, frozen: tuple[str, ...]) -> tup
         if name.endswith(".scale") or name.startswith("embed_tokens."):
             continue
         size = int(np.prod(leaf.shape)) * (2 if name.endswith(".packed") else 1)
-        totals[any(fnmatch.fnmatch(name, p) for p in frozen)][".experts." in name] += size
+        totals[any(fnmatch.fnmatchcase(name, p) for p in frozen)][".experts." in name] += size
     active = {k: dense + experts * cfg.num_experts_per_token // cfg.num_experts for k, (dense, experts) in totals.items()}
     return active[False] + active[True], active[True]
 
