@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -85,9 +86,9 @@ def copy_bandwidth(size: int) -> float:
 
 
 def time_decode(model: K3Model, cfg, batch: int, context: int, steps: int, other: int, routed: int,
-                embedding_row: int, bandwidth: float) -> dict:
-    """Median decode step after a `context`-token prefill, its bytes to read and floor; "steps" is
-    the timed closure (for the trace)."""
+                embedding_row: int, bandwidth: float) -> tuple[dict, Callable[[], jax.Array]]:
+    """(median decode step after a `context`-token prefill with its bytes to read and floor, the timed
+    closure for the trace)."""
     ids = jax.random.randint(jax.random.key(batch), (batch, context), 0, cfg.vocab_size, jnp.int32)
     _, cache = prefill(model, ids, capacity=context + 4 * steps + 8)
     tokens = ids[:, -1]
@@ -103,7 +104,7 @@ def time_decode(model: K3Model, cfg, batch: int, context: int, steps: int, other
     step_ms = median_ms(run_steps, reps=3) / steps
     floor_ms = read / bandwidth * 1e3
     return {"batch": batch, "step_ms": step_ms, "bytes_read": read, "experts_touched": fraction,
-            "floor_ms": floor_ms, "percent_of_limit": 100 * floor_ms / step_ms, "steps": run_steps}
+            "floor_ms": floor_ms, "percent_of_limit": 100 * floor_ms / step_ms}, run_steps
 
 
 def main() -> None:
@@ -139,9 +140,8 @@ def main() -> None:
         if layout == "unrolled":
             model.unroll_layers()
         for batch in batches:
-            run = time_decode(model, cfg, batch, context, args.steps, other, routed, embedding_row, bandwidth)
+            run, steps = time_decode(model, cfg, batch, context, args.steps, other, routed, embedding_row, bandwidth)
             run["layout"] = layout
-            steps = run.pop("steps")
             results["runs"].append(run)
             print(json.dumps(run), flush=True)
             if batch == batches[-1]:
