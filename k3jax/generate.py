@@ -144,9 +144,9 @@ def _decode_step(model: K3Model, cache: ModelCache, tokens: jax.Array) -> tuple[
 
 @functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("return_all_logits",))
 def _extend(
-    model: K3Model, cache: ModelCache, ids: jax.Array, return_all_logits: bool
+    model: K3Model, cache: ModelCache, ids: jax.Array, return_all_logits: bool, real_tokens: jax.Array | None = None
 ) -> tuple[jax.Array, ModelCache]:
-    out, cache = run_model(model, ids, cache, last_logits_only=not return_all_logits)
+    out, cache = run_model(model, ids, cache, last_logits_only=not return_all_logits, real_tokens=real_tokens)
     return (out.logits if return_all_logits else out.logits[:, 0]), cache
 
 
@@ -236,22 +236,32 @@ def prefill(
 
 
 def extend(
-    model: K3Model, cache: ModelCache, input_ids: jax.Array, *, return_all_logits: bool = False
+    model: K3Model, cache: ModelCache, input_ids: jax.Array, *, return_all_logits: bool = False,
+    real_tokens: int | None = None,
 ) -> tuple[jax.Array, ModelCache]:
     """Append the tokens [B, T] to every cached sequence: a new chat turn, or one chunk of a prompt.
 
     Returns (logits of the last position [B, vocab] fp32 — or of every new position [B, T, vocab]
     with `return_all_logits` — and the updated cache). The cache passed in is donated; use the
     returned one. The ids are checked like `generate`'s prompt, the batch and room against the cache.
+
+    `real_tokens`: only the first `real_tokens` ids of each row are appended; the rest are right
+    padding, run but not kept (`run_model`), and "last position" means the last real one. One
+    compiled program then serves every continuation length up to T (all T positions must fit).
     """
     ids = check_input_ids(input_ids, model.config)
     if ids.shape[0] != _cache_batch(cache):
         raise ValueError(f"input_ids has batch {ids.shape[0]} but the cache holds batch {_cache_batch(cache)}")
+    if real_tokens is not None and (isinstance(real_tokens, bool) or not isinstance(real_tokens, (int, np.integer))
+                                    or not 1 <= real_tokens <= ids.shape[1]):
+        raise ValueError(f"real_tokens={real_tokens!r}: expected an integer in [1, {ids.shape[1]}] "
+                         f"(input_ids has {ids.shape[1]} tokens per row)")
     if int(cache.length) + ids.shape[1] > cache.capacity:
         raise ValueError(
             f"the cache holds {int(cache.length)} of {cache.capacity} tokens: no room for {ids.shape[1]} more"
         )
-    return _extend(model, cache, ids, bool(return_all_logits))
+    real = None if real_tokens is None else jnp.int32(real_tokens)
+    return _extend(model, cache, ids, bool(return_all_logits), real)
 
 
 def decode_step(model: K3Model, cache: ModelCache, tokens: jax.Array) -> tuple[jax.Array, ModelCache]:

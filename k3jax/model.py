@@ -236,7 +236,7 @@ def run_model(
     model: K3Model, input_ids: jax.Array, cache: ModelCache | None = None, *, collect_taps: bool = False,
     start: jax.Array | None = None, last_logits_only: bool = False, inputs_embeds: jax.Array | None = None,
     segment_ids: jax.Array | None = None, compute_logits: bool = True, collect_router_stats: bool = False,
-    router_stats_mask: jax.Array | None = None,
+    router_stats_mask: jax.Array | None = None, real_tokens: jax.Array | None = None,
 ) -> tuple[ForwardOutput, ModelCache | None]:
     """The whole forward pass. With a cache, the tokens continue the cached sequence.
 
@@ -255,12 +255,20 @@ def run_model(
     row alone would: pad keys are masked out of MLA, pad steps leave the KDA state and conv window
     untouched, AttnRes and MoE are per token. Logits at pad positions are meaningless.
 
+    `real_tokens` (int32 scalar, with a cache) marks right padding: only the first `real_tokens` of
+    the T new tokens of every row are real. Pad steps leave the KDA state and conv window as the
+    real tokens left them, the cache's length advances by `real_tokens` (the pads' MLA latents are
+    overwritten later), and `last_logits_only` gives the last real position's logits. So a
+    continuation of any length runs at a bucketed width with the cache it would have unpadded.
+
     `inputs_embeds` [B, T, hidden] replaces the token embeddings (prompts with images; `input_ids`
     is then unused and may be None).
     """
     cfg, plan = model.config, model.plan
     if segment_ids is not None and cache is not None:
         raise ValueError("segment_ids (packed documents) are for cache-free passes; got a cache too")
+    if real_tokens is not None and cache is None:
+        raise ValueError("real_tokens (right padding) continues a cache; got no cache")
     position = cache.length if cache is not None else jnp.zeros((), jnp.int32)
     if start is None and cache is not None:
         start = cache.start
@@ -272,6 +280,7 @@ def run_model(
         segments=runs,
         stats_valid=router_stats_mask if router_stats_mask is not None or segment_ids is None else segment_ids > 0,
         collect_router_stats=collect_router_stats,
+        real_tokens=real_tokens,
     )
 
     def run_unrolled(layers, indices, caches):
@@ -320,10 +329,14 @@ def run_model(
     )
     hidden = model.norm(final_mix)
     logits = None
+    new_tokens = embeds.shape[1] if real_tokens is None else real_tokens
     if compute_logits:
-        logits = linear(hidden[:, -1:] if last_logits_only else hidden, model.lm_head.weight[...]).astype(F32)
+        scored = hidden
+        if last_logits_only:
+            scored = hidden[:, -1:] if real_tokens is None else jax.lax.dynamic_slice_in_dim(hidden, real_tokens - 1, 1, 1)
+        logits = linear(scored, model.lm_head.weight[...]).astype(F32)
     out = ForwardOutput(logits, hidden, final_mix, tuple(taps) if collect_taps else None, stats)
-    new_cache = ModelCache(head, groups, tail, position + embeds.shape[1], start) if cache is not None else None
+    new_cache = ModelCache(head, groups, tail, position + new_tokens, start) if cache is not None else None
     return out, new_cache
 
 

@@ -72,10 +72,12 @@ class DecoderLayer(nnx.Module):
         self, stream: AttnResStream, layer_index: jax.Array | int, cache: LayerCache | None = None,
         position: jax.Array | int = 0, start: jax.Array | None = None, segments: jax.Array | None = None,
         stats_valid: jax.Array | None = None, collect_router_stats: bool = False,
+        real_tokens: jax.Array | None = None,
     ) -> tuple[AttnResStream, LayerCache | None, LayerTaps]:
         """`forward`, under `jax.checkpoint` with `remat_policy` when one is set and there is no cache."""
         if self.remat_policy is None or cache is not None:
-            return self.forward(stream, layer_index, cache, position, start, segments, stats_valid, collect_router_stats)
+            return self.forward(stream, layer_index, cache, position, start, segments, stats_valid, collect_router_stats,
+                                real_tokens)
 
         def body(layer, stream, layer_index, position, start, segments, stats_valid):
             return layer.forward(stream, layer_index, None, position, start, segments, stats_valid, collect_router_stats)
@@ -87,8 +89,13 @@ class DecoderLayer(nnx.Module):
         self, stream: AttnResStream, layer_index: jax.Array | int, cache: LayerCache | None = None,
         position: jax.Array | int = 0, start: jax.Array | None = None, segments: jax.Array | None = None,
         stats_valid: jax.Array | None = None, collect_router_stats: bool = False,
+        real_tokens: jax.Array | None = None,
     ) -> tuple[AttnResStream, LayerCache | None, LayerTaps]:
         """`start` int32 [B]: first real position of each row (left padding before it), or None.
+        `real_tokens` int32 scalar (with a cache): the first `real_tokens` new tokens of every row are
+        real, the rest right padding that leaves the KDA state and conv window as the real ones left
+        them (MLA needs nothing: real queries never see the later pad keys, and the caller's cache
+        length counts real tokens only, so the pads' latents are overwritten next).
         `segments` int32 [B, T]: packed documents (cache-free passes), kept apart by the mixers.
         `collect_router_stats`: MoE layers add their `RouterStats` over the tokens `stats_valid`
         (bool [B, T], None: all) to the taps."""
@@ -97,8 +104,8 @@ class DecoderLayer(nnx.Module):
 
         mixer_in = self.input_layernorm(attn_in)
         if self.mixer_kind == "kda":
-            valid = None if start is None else position + jnp.arange(mixer_in.shape[1]) >= start[:, None]
-            attn_out, cache = self.self_attn(mixer_in, cache, valid, segments)
+            attn_out, cache = self.self_attn(mixer_in, cache, _real_steps(mixer_in.shape[:2], position, start, real_tokens),
+                                             segments, real_tokens)
         else:
             attn_out, cache = self.self_attn(mixer_in, cache, position, start, segments)
         stream = stream.add(attn_out)
@@ -122,3 +129,18 @@ class DecoderLayer(nnx.Module):
         if self.mixer_kind == "kda":
             return KDACache.empty(cfg, batch, dtype)
         return MLACache.empty(cfg, batch, capacity, dtype)
+
+
+def _real_steps(shape: tuple[int, int], position: jax.Array | int, start: jax.Array | None,
+                real_tokens: jax.Array | None) -> jax.Array | None:
+    """bool [B, T]: the new tokens that are neither left padding (before `start`) nor right padding
+    (from `real_tokens` on); None when there is neither."""
+    if start is None and real_tokens is None:
+        return None
+    steps = jnp.arange(shape[1])
+    valid = jnp.ones(shape, bool)
+    if start is not None:
+        valid &= position + steps >= start[:, None]
+    if real_tokens is not None:
+        valid &= steps < real_tokens
+    return valid

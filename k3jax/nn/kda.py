@@ -48,12 +48,15 @@ class ShortConv(nnx.Module):
 
 
 def causal_conv_silu(
-    x: jax.Array, weight: jax.Array, left: jax.Array, segments: jax.Array | None = None
+    x: jax.Array, weight: jax.Array, left: jax.Array, segments: jax.Array | None = None,
+    real_tokens: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """y[t] = silu(sum_j w[:, j] * x[t - W + 1 + j]) in fp32, with `left` the W-1 inputs before x.
 
     `segments` int32 [B, T] (packed documents): the window of token t sees only inputs with t's
     segment id (a document's first tokens see zeros, as when it runs alone).
+    `real_tokens` (int32 scalar): only x[:, :real_tokens] are real, the rest right padding; the new
+    left context then ends at the last real input.
     Returns the activation-dtype output and the new left context (last W-1 raw inputs).
     """
     width = weight.shape[-1]
@@ -65,7 +68,8 @@ def causal_conv_silu(
         seg_full = jnp.pad(segments, ((0, 0), (width - 1, 0)), mode="edge")
         taps = [jnp.where((seg_full[:, j : j + seq] == segments)[..., None], tap, 0.0) for j, tap in enumerate(taps)]
     y = sum(taps)
-    return jax.nn.silu(y).astype(x.dtype), full[:, seq:]
+    tail = full[:, seq:] if real_tokens is None else jax.lax.dynamic_slice_in_dim(full, real_tokens, width - 1, 1)
+    return jax.nn.silu(y).astype(x.dtype), tail
 
 
 def gated_head_rms_norm(o: jax.Array, weight: jax.Array, gate: jax.Array, eps: float) -> jax.Array:
@@ -101,7 +105,7 @@ class KimiDeltaAttention(nnx.Module):
 
     def __call__(
         self, x: jax.Array, cache: KDACache | None = None, valid: jax.Array | None = None,
-        segments: jax.Array | None = None,
+        segments: jax.Array | None = None, real_tokens: jax.Array | None = None,
     ) -> tuple[jax.Array, KDACache | None]:
         """x [B, T, D] (already input-normalised). With a cache, continues from it (T == 1: decode step).
 
@@ -112,6 +116,10 @@ class KimiDeltaAttention(nnx.Module):
         the conv windows of the first real tokens see zeros as in an unpadded run; the gate and beta
         pre-activations are -inf, which the KDA op turns into g = beta = 0 exactly (zero gradients),
         so the state is untouched.
+
+        `real_tokens` (int32 scalar, with a cache): the first `real_tokens` of the T tokens are real and
+        the rest right padding, to be marked invalid in `valid` too; the cached conv window then ends
+        at the last real token, so the cache continues as if only the real tokens had run.
         """
         batch, seq, _ = x.shape
         h, k = self.num_heads, self.head_dim
@@ -124,7 +132,7 @@ class KimiDeltaAttention(nnx.Module):
         left = cache.conv if cache is not None else jnp.zeros((batch, conv_weight.shape[-1] - 1, raw.shape[-1]), x.dtype)
         if segments is not None and cache is not None:
             raise ValueError("segments (packed documents) are for cache-free passes; got a cache too")
-        qkv, conv_tail = causal_conv_silu(raw, conv_weight, left, segments)
+        qkv, conv_tail = causal_conv_silu(raw, conv_weight, left, segments, real_tokens)
         q, key, v = (t.reshape(batch, seq, h, k) for t in jnp.split(qkv, 3, axis=-1))
         g_raw, beta_logits = self.gate_inputs(x)
         if valid is not None:
