@@ -2,7 +2,8 @@
 
 Widths. A fresh prompt (no prefix-cache hit) is left-padded to a bucket: a power of two from
 `MIN_BUCKET` up to the chunk size, else a multiple of the chunk size. The rest of a prompt after a
-prefix hit runs in chunk-size pieces, then power-of-two pieces.
+prefix hit runs in chunk-size pieces, the last one right-padded to its bucket (`extend`'s
+`real_tokens`: pads leave no trace in the cache), so any rest costs one call per chunk.
 
 Batches. The requests at the head of the queue that are fresh and whose buckets fit one chunk are
 prefilled together (`prefill_batch`), as many as there are free slots and the scheduler's
@@ -36,6 +37,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,14 +61,16 @@ def bucket(count: int, chunk: int) -> int:
     return min(chunk, max(MIN_BUCKET, 1 << (count - 1).bit_length()))
 
 
-def pieces(count: int, chunk: int) -> list[int]:
-    """Sizes that sum to `count`: chunk-size pieces, then the binary decomposition of the rest."""
-    sizes = [chunk] * (count // chunk)
-    rest = count % chunk
-    while rest:
-        sizes.append(1 << (rest.bit_length() - 1))
-        rest -= sizes[-1]
-    return sizes
+def continuation(tokens: np.ndarray, chunk: int, pad_id: int) -> list[Piece]:
+    """The rest of a prompt after a prefix hit as one-row pieces: full chunks, then the remainder
+    right-padded with `pad_id` to its bucket."""
+    out = [Piece(tokens[None, lo: lo + chunk], chunk) for lo in range(0, len(tokens) - chunk + 1, chunk)]
+    rest = tokens[len(out) * chunk:]
+    if len(rest):
+        ids = np.full((1, bucket(len(rest), chunk)), pad_id, np.int32)
+        ids[0, : len(rest)] = rest
+        out.append(Piece(ids, len(rest)))
+    return out
 
 
 def padded_rows(count: int) -> int:
@@ -97,32 +101,39 @@ def prefill_batch(model: K3Model, prompts: Sequence[Sequence[int]], width: int, 
     return logits, cache._replace(start=jnp.asarray(start))
 
 
+class Piece(NamedTuple):
+    """One `extend` call of a one-row prefill: ids np.int32 [1, T] whose first `real` are the prompt's
+    (the rest right padding)."""
+
+    ids: np.ndarray
+    real: int
+
+
 @dataclass(eq=False)
 class OneRow:
-    """A request being prefilled alone: its one-row cache and the np.int32 [1, T] pieces still to run."""
+    """A request being prefilled alone: its one-row cache and the `Piece`s still to run."""
 
     request: EngineRequest
     cache: ModelCache
-    segments: collections.deque
+    pieces: collections.deque
 
 
 def one_row(model: K3Model, request: EngineRequest, snap: Snapshot | None, chunk: int, capacity: int,
             pad_id: int) -> OneRow:
     """A one-row prefill: its cache (`capacity` positions; a copy of the snapshot when one matched) and
-    the pieces of the prompt still to run (after a snapshot: chunk-size pieces, then power-of-two
-    pieces; fresh: the bucket-padded prompt in pieces of at most the chunk size)."""
+    the pieces of the prompt still to run (after a snapshot: the `continuation`; fresh: the
+    bucket-padded prompt in pieces of at most the chunk size)."""
     prompt = request.req.prompt
     if snap is not None:
         cache = restored(snap.cache, capacity)
-        rest = np.asarray(prompt[len(snap.tokens):], np.int32)
-        sizes = pieces(len(rest), chunk)
+        pieces = continuation(np.asarray(prompt[len(snap.tokens):], np.int32), chunk, pad_id)
     else:
         width = bucket(len(prompt), chunk)
         cache = empty_row(model, capacity, width - len(prompt))
-        rest = np.asarray([pad_id] * (width - len(prompt)) + list(prompt), np.int32)
-        sizes = [min(width, chunk)] * (width // min(width, chunk))
-    offsets = np.cumsum([0, *sizes])
-    return OneRow(request, cache, collections.deque(rest[None, a:b] for a, b in zip(offsets[:-1], offsets[1:])))
+        padded = np.asarray([pad_id] * (width - len(prompt)) + list(prompt), np.int32)
+        step = min(width, chunk)
+        pieces = [Piece(padded[None, lo: lo + step], step) for lo in range(0, width, step)]
+    return OneRow(request, cache, collections.deque(pieces))
 
 
 def first_tokens(logits: jax.Array, requests: Sequence[EngineRequest]) -> np.ndarray:

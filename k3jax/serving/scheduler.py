@@ -280,8 +280,11 @@ class Scheduler:
         prefill = self._prefill
         request = prefill.request
         try:
-            logits, prefill.cache = extend(self.model, prefill.cache, prefill.segments.popleft())
-            if prefill.segments:
+            piece = prefill.pieces.popleft()
+            padded = piece.real < piece.ids.shape[1]  # unpadded pieces share the plain programs
+            logits, prefill.cache = extend(self.model, prefill.cache, piece.ids,
+                                           real_tokens=piece.real if padded else None)
+            if prefill.pieces:
                 if self.prefix_cache.enabled:
                     seen = int(prefill.cache.length) - int(prefill.cache.start[0])
                     self.prefix_cache.store(request.req.prompt[:seen], prefill.cache)

@@ -121,16 +121,17 @@ def test_tokens_equal_generate_alone(golden_model_fp32, served):
 
 
 def test_prefix_hit_is_identical_and_skips_the_prefix(golden_model_fp32, engine, served, monkeypatch):
-    """A follow-up turn (a finished request's prompt + completion + new tokens) continues from its snapshot."""
+    """A follow-up turn (a finished request's prompt + completion + new tokens) continues from its
+    snapshot: the 4 tokens after it run as one call, right-padded to the smallest bucket."""
     requests, sinks, _, _ = served
     first, out = requests[2], sinks[2].tokens
     follow = GenerationRequest(first.prompt + tuple(out) + (7, 8, 9), 3, stop_ids=frozenset({EOS}))
-    ran: list[int] = []
+    ran: list[tuple[int, int | None]] = []
     real_extend = scheduler_module.extend
 
-    def counting(model, cache, ids):
-        ran.append(ids.shape[1])
-        return real_extend(model, cache, ids)
+    def counting(model, cache, ids, real_tokens=None):
+        ran.append((ids.shape[1], real_tokens))
+        return real_extend(model, cache, ids, real_tokens=real_tokens)
 
     monkeypatch.setattr(scheduler_module, "extend", counting)
     sink = Collect()
@@ -138,9 +139,20 @@ def test_prefix_hit_is_identical_and_skips_the_prefix(golden_model_fp32, engine,
     engine.run_until_idle()
     cached = len(first.prompt) + len(out) - 1  # the last generated token was never fed
     assert sink.result.cached_tokens == cached
-    assert sum(ran) == len(follow.prompt) - cached
+    assert ran == [(admission.MIN_BUCKET, len(follow.prompt) - cached)]
     assert sink.tokens == _alone(golden_model_fp32, follow)
     assert engine.metrics.prefix_hits >= 1
+
+
+def test_continuation_pieces():
+    """The rest after a prefix hit: whole chunks as they are, the remainder right-padded to its bucket."""
+    tokens = np.arange(1, 38, dtype=np.int32)
+    pieces = admission.continuation(tokens, CHUNK, pad_id=0)
+    assert [(p.ids.shape, p.real) for p in pieces] == [((1, 16), 16), ((1, 16), 16), ((1, 16), 5)]
+    np.testing.assert_array_equal(np.concatenate([p.ids[0, : p.real] for p in pieces]), tokens)
+    assert not pieces[-1].ids[0, 5:].any()
+    assert [(p.ids.shape, p.real) for p in admission.continuation(tokens[:9], 64, 0)] == [((1, 16), 9)]
+    assert [p.real for p in admission.continuation(tokens[:32], CHUNK, 0)] == [16, 16]
 
 
 def test_cancel_frees_the_slot(engine, prompts):
