@@ -79,6 +79,9 @@ def _positive_int(name: str, value: object, low: int = 1) -> int:
     return value
 
 
+MIN_TURN_WIDTH = 16  # the narrowest padded turn
+
+
 def _round_up(n: int) -> int:
     return -(-n // CAPACITY_STEP) * CAPACITY_STEP
 
@@ -144,7 +147,13 @@ class Chat:
         cached = len(history) + sum(image.features - 1 for image in self._images)  # placeholders expanded
         if (self._cache is not None and not images
                 and cached + len(new) + self.max_new_tokens <= self._cache.capacity):
-            logits, self._cache = extend(self.model, self._cache, jnp.asarray([new], jnp.int32))
+            # The turn is right-padded to a power of two (`real_tokens`: pads leave no trace), so turns
+            # of any length reuse a few compiled programs instead of compiling one per length.
+            width = max(MIN_TURN_WIDTH, 1 << (len(new) - 1).bit_length())
+            width = width if cached + width <= self._cache.capacity else len(new)
+            ids = np.full((1, width), self.model.config.pad_token_id or 0, np.int32)
+            ids[0, : len(new)] = new
+            logits, self._cache = extend(self.model, self._cache, ids, real_tokens=len(new))
             return logits
         # First turn, new images, no cache (dropped by an interruption), or the cache is full: a new
         # one, at least twice as large as the last, filled with the whole conversation once.

@@ -102,7 +102,7 @@ class FakeModelCalls:
     capacity policy is checked without compiling anything."""
 
     def __init__(self, monkeypatch, vocab):
-        self.prefills, self.vocab = [], vocab
+        self.prefills, self.extends, self.vocab = [], [], vocab
         for name in ("prefill", "extend", "decode_step"):
             monkeypatch.setattr(session_module, name, getattr(self, name))
 
@@ -113,9 +113,10 @@ class FakeModelCalls:
         self.prefills.append((ids.shape[1], capacity) if grid_thws is None else (ids.shape[1], capacity, len(grid_thws)))
         return jnp.zeros((1, length, self.vocab)), FakeCache(length, capacity)
 
-    def extend(self, model, cache, ids):
+    def extend(self, model, cache, ids, real_tokens):
         assert cache.length + ids.shape[1] <= cache.capacity, "extend past the capacity"
-        return jnp.zeros((1, self.vocab)), FakeCache(cache.length + ids.shape[1], cache.capacity)
+        self.extends.append((ids.shape[1], real_tokens))
+        return jnp.zeros((1, self.vocab)), FakeCache(cache.length + real_tokens, cache.capacity)
 
     def decode_step(self, model, cache, tokens):
         assert cache.length < cache.capacity, "decode_step on a full cache"
@@ -145,6 +146,9 @@ def test_the_cache_grows_when_full(golden_model_fp32, monkeypatch):
             assert calls.prefills[before:] == [(prompt, -(-max(needed, 2 * cap) // 64) * 64)]
         assert chat.cache_length == len(chat.token_ids) - 1 and chat.cache_length > cached
     assert seen == {"first", "extended", "grown"}
+    # turns are right-padded to powers of two from 16 (fewer compiled shapes), unpadded only where
+    # the padding would not fit the cache
+    assert calls.extends and all(width == max(16, 1 << (real - 1).bit_length()) for width, real in calls.extends)
     assert chat.token_ids == encode_messages(tok, chat.messages, thinking=None, add_generation_prompt=False)
 
 
