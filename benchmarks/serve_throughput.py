@@ -7,9 +7,11 @@ prefills of at most `--max-prefill-tokens` tokens (rows x padded width; the defa
 is 16 rows of 512 tokens, so 64 clients are admitted in 4 steps; C x 512 admits all C in one).
 Reported per level: output tokens/s, time to first token (from submission) and inter-token latency,
 against batched `k3jax.generate` on the same C prompts in the same job (one fused prefill + decode
-program: the ceiling without scheduling). First a two-turn chat: the second turn's time to first
-token with the prefix cache (its prompt continues the first turn's snapshot) and without it (the
-whole prompt prefilled again).
+program: the ceiling without scheduling). First a two-turn chat on a `--turn-prompt`-token first
+prompt: the second turn's time to first token with the prefix cache (its prompt continues the first
+turn's snapshot) and without it (the whole prompt prefilled again), beside the share of the second
+prompt the cache holds. A long first prompt makes the uncached prefill compute-bound, as a real
+conversation's is; at a few hundred tokens both are one weight read and the cut says little.
 
 Every shape is run once before it is timed, so compilation is not counted. Needs only jax (no
 starlette / uvicorn):
@@ -58,8 +60,8 @@ class Timed:
 
 
 def _max_len(args: argparse.Namespace) -> int:
-    """One limit for every engine here (room for the second chat turn), so equal batches share programs."""
-    return args.prompt + 2 * args.new + args.turn
+    """One limit for every level's engine, so equal batches share programs."""
+    return args.prompt + args.new
 
 
 def _serve(scheduler: Scheduler, prompts: np.ndarray, new: int) -> tuple[list[Timed], float]:
@@ -98,20 +100,22 @@ def _level(model: K3Model, clients: int, args: argparse.Namespace, rng: np.rando
     }
 
 
-def _second_turn_ttft(model: K3Model, args: argparse.Namespace, rng: np.random.Generator, *, cached: bool) -> float:
-    """TTFT of a follow-up turn (first prompt + its reply + `--turn` new tokens)."""
+def _second_turn(model: K3Model, args: argparse.Namespace, rng: np.random.Generator, *, cached: bool
+                 ) -> tuple[float, float]:
+    """(TTFT of a follow-up turn (first prompt + its reply + `--turn` new tokens), the share of its
+    prompt found in the prefix cache)."""
     vocab = model.config.vocab_size
-    scheduler = Scheduler(model, max_batch=1, max_len=_max_len(args), prefill_chunk=args.chunk,
-                          prefix_cache=PrefixCache(args.prefix_cache_mib << 20 if cached else 0))
-    ttft = 0.0
+    scheduler = Scheduler(model, max_batch=1, max_len=args.turn_prompt + 2 * args.new + args.turn,
+                          prefill_chunk=args.chunk, prefix_cache=PrefixCache(args.prefix_cache_mib << 20 if cached else 0))
+    ttft = share = 0.0
     for _ in range(2):  # the first pair compiles
-        first = rng.integers(0, vocab, (1, args.prompt))
+        first = rng.integers(0, vocab, (1, args.turn_prompt))
         (reply,), _ = _serve(scheduler, first, args.new)
         follow = np.concatenate([first[0], reply.tokens, rng.integers(0, vocab, args.turn)])[None]
         (second,), _ = _serve(scheduler, follow, args.new)
         assert (second.result.cached_tokens > 0) == cached
-        ttft = second.stamps[0] - second.submitted
-    return ttft
+        ttft, share = second.stamps[0] - second.submitted, second.result.cached_tokens / follow.shape[1]
+    return ttft, share
 
 
 def _table(results: dict) -> str:
@@ -123,8 +127,10 @@ def _table(results: dict) -> str:
                     f"{r['ttft_max_ms']:.1f} | {r['itl_p50_ms']:.2f} |")
     turn = results["second_turn"]
     rows.append("")
-    rows.append(f"second-turn TTFT: {turn['with_prefix_cache_ms']:.1f} ms with the prefix cache, "
-                f"{turn['without_prefix_cache_ms']:.1f} ms without")
+    cut = 1 - turn["with_prefix_cache_ms"] / turn["without_prefix_cache_ms"]
+    rows.append(f"second-turn TTFT ({turn['prompt_tokens']}-token prompt): {turn['with_prefix_cache_ms']:.1f} ms "
+                f"with the prefix cache, {turn['without_prefix_cache_ms']:.1f} ms without: cut {cut:.0%}, "
+                f"prefix share {turn['prefix_share']:.0%}")
     return "\n".join(rows)
 
 
@@ -137,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per client")
     parser.add_argument("--new", type=int, default=128, help="tokens generated per client")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk")
+    parser.add_argument("--turn-prompt", type=int, default=4096, help="first prompt of the two-turn chat")
     parser.add_argument("--turn", type=int, default=64, help="new tokens of the second chat turn")
     parser.add_argument("--max-prefill-tokens", type=int,
                         default=inspect.signature(Scheduler).parameters["max_prefill_tokens"].default,
@@ -149,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         model = from_pretrained(tiny_checkpoint(), dtype="float32", layers=args.layer_layout)
-        args.clients, args.prompt, args.new, args.chunk, args.turn = "1", 12, 4, 16, 5
+        args.clients, args.prompt, args.new, args.chunk, args.turn_prompt, args.turn = "1", 12, 4, 16, 20, 5
     else:
         model = K3Model.init(reduced_config(args.config, args.layers, args.experts), seed=0)
         if unrolls(args.layer_layout):
@@ -166,10 +173,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
 
+    with_cache, share = _second_turn(model, args, rng, cached=True)
+    without_cache, _ = _second_turn(model, args, rng, cached=False)
     results["second_turn"] = {
-        "turn_tokens": args.turn,
-        "with_prefix_cache_ms": 1e3 * _second_turn_ttft(model, args, rng, cached=True),
-        "without_prefix_cache_ms": 1e3 * _second_turn_ttft(model, args, rng, cached=False),
+        "first_prompt_tokens": args.turn_prompt, "turn_tokens": args.turn,
+        "prompt_tokens": args.turn_prompt + args.new + args.turn, "prefix_share": share,
+        "with_prefix_cache_ms": 1e3 * with_cache, "without_prefix_cache_ms": 1e3 * without_cache,
     }
     record(results["second_turn"])
     for clients in args.clients.split(","):
