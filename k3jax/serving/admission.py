@@ -108,6 +108,11 @@ class Piece(NamedTuple):
     ids: np.ndarray
     real: int
 
+    @property
+    def real_tokens(self) -> int | None:
+        """`extend`'s real_tokens: None when unpadded, so such pieces share the plain programs."""
+        return self.real if self.real < self.ids.shape[1] else None
+
 
 @dataclass(eq=False)
 class OneRow:

@@ -151,8 +151,7 @@ class Scheduler:
     def _reset(self, err: Exception) -> None:
         """Fail the requests being prefilled and decoded; start again from empty slots."""
         log.error("engine step failed; failing the requests in flight", exc_info=err)
-        staged = [self._prefill.request] if self._prefill else []
-        self._prefill = None
+        staged, self._prefill = [self._prefill.request] if self._prefill else [], None
         for request in [*self._active.values(), *staged]:
             self._finish(request, "error", f"{type(err).__name__}: {err}")
         self._active.clear()
@@ -281,9 +280,7 @@ class Scheduler:
         request = prefill.request
         try:
             piece = prefill.pieces.popleft()
-            padded = piece.real < piece.ids.shape[1]  # unpadded pieces share the plain programs
-            logits, prefill.cache = extend(self.model, prefill.cache, piece.ids,
-                                           real_tokens=piece.real if padded else None)
+            logits, prefill.cache = extend(self.model, prefill.cache, piece.ids, real_tokens=piece.real_tokens)
             if prefill.pieces:
                 if self.prefix_cache.enabled:
                     seen = int(prefill.cache.length) - int(prefill.cache.start[0])
