@@ -124,25 +124,28 @@ def test_batched_generation_matches_single(golden_model_fp32):
 
 
 def test_right_padded_extend_continues_as_unpadded(golden_model_fp32):
-    """Continuations right-padded to a bucket (`real_tokens`): 5 real of 16, then 25 real of 32, with
-    random pad ids. The last real position's logits, the cache length and the decode steps after them
-    match the forward over the real tokens alone (pads left no trace in the KDA state, conv window or
-    MLA cache). Row 0 is left-padded too (start 7), as a served row is."""
+    """Continuations right-padded to a bucket (`real_tokens`): 5 real of 16, then 14 real of 16 (one
+    compiled program), with random pad ids. The last real position's logits, the cache length and the
+    decode steps after them match the forward over the real tokens alone (pads left no trace in the
+    KDA state, conv window or MLA cache). Row 0 is left-padded too (start 7), as a served row is.
+    Tolerance 2e-5: sixteen recurrent decode steps after two short chunks drift slightly past the
+    1e-5 above from the forward's operation order, the same with unpadded pieces; a pad leaking into
+    the state or conv window moves the logits by orders of magnitude more."""
     rng = np.random.default_rng(11)
     real = rng.integers(0, 511, (2, 75))
     ids, lengths = k3jax.left_pad([real[0, 7:40].tolist(), real[1, :40].tolist()], 511)
-    _, cache = k3jax.prefill(golden_model_fp32, ids, prompt_lengths=lengths, capacity=80)
+    _, cache = k3jax.prefill(golden_model_fp32, ids, prompt_lengths=lengths, capacity=75)
     full_0 = np.asarray(golden_model_fp32(jnp.asarray(real[:1, 7:], jnp.int32)))
     full_1 = np.asarray(golden_model_fp32(jnp.asarray(real[1:], jnp.int32)))
-    for lo, hi, width in ((40, 45, 16), (45, 70, 32)):
+    for lo, hi, width in ((40, 45, 16), (45, 59, 16)):
         piece = rng.integers(0, 511, (2, width))
         piece[:, : hi - lo] = real[:, lo:hi]
         last, cache = k3jax.extend(golden_model_fp32, cache, piece, real_tokens=hi - lo)
         assert int(cache.length) == hi
         assert rel_rms(last[0], full_0[0, hi - 8]) <= 1e-5 and rel_rms(last[1], full_1[0, hi - 1]) <= 1e-5
-    for t in range(70, 75):
+    for t in range(59, 75):
         step, cache = k3jax.decode_step(golden_model_fp32, cache, jnp.asarray(real[:, t], jnp.int32))
-        assert rel_rms(step[0], full_0[0, t - 7]) <= 1e-5 and rel_rms(step[1], full_1[0, t]) <= 1e-5, f"step {t}"
-    for bad in (0, 17, True, 2.0):
+        assert rel_rms(step[0], full_0[0, t - 7]) <= 2e-5 and rel_rms(step[1], full_1[0, t]) <= 2e-5, f"step {t}"
+    for bad in (0, 2, True, 1.0):
         with pytest.raises(ValueError, match="real_tokens"):
-            k3jax.extend(golden_model_fp32, cache, jnp.ones((2, 16), jnp.int32), real_tokens=bad)
+            k3jax.extend(golden_model_fp32, cache, jnp.ones((2, 1), jnp.int32), real_tokens=bad)
