@@ -5,7 +5,7 @@ Order is the policy's preference, all checked against "xla" on the GPU by ``benc
 "cudnn" (cuDNN's fused flash attention with its own causal mask: whole prompts without a cache or left
 padding), "cudnn_chunk" (a chunk continuing a cache, rows not left-padded: the cached keys and the
 chunk's own keys in cuDNN calls with built-in masks, merged by their log-sum-exps; the cached keys in
-blocks of at most ``CUDNN_MAX_EXPANDED_BYTES``, so any cache length; ``cudnn_chunk.py``),
+blocks of at most ``CUDNN_PAST_BLOCK_BYTES``, so any cache length; ``cudnn_chunk.py``),
 "cudnn_masked" (one call with an explicit [B, 1, T, S] mask: left-padded rows, with or without a cache),
 else "xla", the blockwise pure-JAX path that runs everywhere (CPU, TPU, GPU) and takes every problem.
 The three cuDNN entries are the GPU defaults.
@@ -40,8 +40,11 @@ CUDNN_MAX_MASK_ELEMENTS = 1 << 31
 # The cuDNN entries expand the per-head keys and values of the positions they attend first (74 KB a
 # position at K3's widths). "cudnn" and "cudnn_masked" take all S positions in one call: past 32 GiB
 # (about 460K positions) the blockwise path, which expands one key block at a time, is the better
-# trade. "cudnn_chunk" runs the cached positions in blocks of at most this size instead.
+# trade. "cudnn_chunk" runs the cached positions in blocks of CUDNN_PAST_BLOCK_BYTES instead: a
+# quarter of that bound, so a block's expansion, its padded copy and cuDNN's workspace stay well
+# inside one 80 GB card beside the weights.
 CUDNN_MAX_EXPANDED_BYTES = 32 << 30
+CUDNN_PAST_BLOCK_BYTES = CUDNN_MAX_EXPANDED_BYTES // 4
 
 
 def _one_call_expansion(expanded_bytes: int) -> str | None:
@@ -107,7 +110,7 @@ def _cudnn_chunk(q: jax.Array, *args, **kwargs) -> jax.Array:
     batch, _, heads, qk_dim = q.shape
     position_bytes = batch * heads * 2 * qk_dim * q.dtype.itemsize  # one cached position's keys and values
     return cudnn_chunk_mla_attention(q, *args, implementation="cudnn",
-                                     past_block=max(1, CUDNN_MAX_EXPANDED_BYTES // position_bytes), **kwargs)
+                                     past_block=max(1, CUDNN_PAST_BLOCK_BYTES // position_bytes), **kwargs)
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
