@@ -38,10 +38,15 @@ def declare(
 
 
 def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x [..., in] @ weight[out, in].T, accumulated in fp32 and rounded to x's dtype (as a torch GEMM)."""
-    y = jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=F32,
-                   precision=exact_if_fp32(x.dtype))
-    return y.astype(x.dtype)
+    """x [..., in] @ weight[out, in].T in x's dtype, accumulated in fp32 and rounded once (as a torch GEMM).
+
+    The product is asked for in x's dtype, not as fp32 then cast: the backends accumulate bf16 GEMMs
+    in fp32 and round once either way (the same forward), but the transpose of an fp32-output product
+    takes an fp32 cotangent and promotes the bf16 operand, so the backward's GEMMs would run in fp32
+    (TF32 on GPU) rather than in bf16 like the forward's.
+    """
+    return jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=x.dtype,
+                      precision=exact_if_fp32(x.dtype))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:

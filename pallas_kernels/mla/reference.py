@@ -52,11 +52,12 @@ def continues_cache(q_offset: int | jax.Array, queries: int, keys: int) -> bool:
 def expand_keys_values(latents: jax.Array, w_kv_b: jax.Array, num_heads: int, nope_dim: int,
                        dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """Latents [B, S, R + P] -> keys [B, S, H, N + P] (k_pe shared by every head) and values [B, S, H, V],
-    in `dtype` (the matmul accumulates in fp32, as the model's projections do)."""
+    in `dtype` (the matmul accumulates in fp32 and rounds once, as the model's projections do; asked for
+    in `dtype` so that its backward's GEMMs stay in `dtype` too, see `k3jax.nn.layers.linear`)."""
     rank = w_kv_b.shape[1]
     c = latents[..., :rank].astype(dtype)
-    kv = jnp.einsum("bsr,or->bso", c, w_kv_b.astype(dtype), preferred_element_type=F32,
-                    precision=exact_if_fp32(dtype)).astype(dtype)
+    kv = jnp.einsum("bsr,or->bso", c, w_kv_b.astype(dtype), preferred_element_type=dtype,
+                    precision=exact_if_fp32(dtype))
     kv = kv.reshape(*c.shape[:2], num_heads, -1)
     k_nope, v = kv[..., :nope_dim], kv[..., nope_dim:]
     k_pe = jnp.broadcast_to(latents[:, :, None, rank:].astype(dtype), (*k_nope.shape[:3], latents.shape[-1] - rank))
