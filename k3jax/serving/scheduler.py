@@ -22,21 +22,20 @@ its seed (`sampler.py`), so its tokens are those `k3jax.generate` gives for it a
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import threading
 import time
 
-import jax
 import numpy as np
 
 from k3jax.generate import extend
-from k3jax.model import K3Model, ModelCache, run_model
+from k3jax.model import K3Model, ModelCache
 from k3jax.serving.admission import OneRow, bucket, first_tokens, one_row, padded_rows, prefill_batch
+from k3jax.serving.decode import FlatModel, decode_rows
 from k3jax.serving.metrics import Metrics
 from k3jax.serving.prefix_cache import PrefixCache, Snapshot
 from k3jax.serving.request import EngineRequest, Finish, GenerationRequest, QueueFull, ShuttingDown, Sink
-from k3jax.serving.sampler import RowParams, request_keys, sample_rows
+from k3jax.serving.sampler import RowParams, request_keys
 from k3jax.serving.slots import (IDLE, empty_slots, extract_row, insert_row, insert_rows, row_of, set_clock,
                                  shift_slots)
 
@@ -51,13 +50,6 @@ class Handle:
 
     def cancel(self) -> None:
         self._scheduler._cancel(self._request)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("any_sampling",))
-def _decode(model: K3Model, cache: ModelCache, tokens: jax.Array, keys: jax.Array, params: RowParams,
-            any_sampling: bool) -> tuple[jax.Array, ModelCache]:
-    out, cache = run_model(model, tokens[:, None], cache)
-    return sample_rows(out.logits[:, 0], keys, params, any_sampling=any_sampling), cache
 
 
 class Scheduler:
@@ -79,6 +71,7 @@ class Scheduler:
         if isinstance(max_queue, bool) or not isinstance(max_queue, (int, np.integer)) or max_queue < 0:
             raise ValueError(f"max_queue={max_queue!r}: expected an integer >= 0")
         self.model, self.max_batch, self.max_len, self.chunk = model, max_batch, max_len, prefill_chunk
+        self._flat_model = FlatModel.of(model)  # the model must not change while the engine runs
         self.max_prefill_tokens, self.max_queue = max_prefill_tokens, max_queue
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(0)
         self.metrics = metrics if metrics is not None else Metrics(max_batch)
@@ -373,8 +366,8 @@ class Scheduler:
             rows[slot] = (request.req.temperature, request.req.top_k, request.req.top_p)
         params = RowParams.of(rows)
         try:
-            new, self._slots = _decode(self.model, self._slots, tokens, keys, params,
-                                       any_sampling=bool((params.temperature > 0).any()))
+            new, self._slots = decode_rows(self._flat_model, self._slots, tokens, keys, params,
+                                           any_sampling=bool((params.temperature > 0).any()))
             new = np.asarray(new)
         except Exception as err:  # the cache was donated: start over with empty slots
             self._reset(err)
