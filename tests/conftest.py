@@ -10,10 +10,6 @@ import os
 # One OpenBLAS thread: with 8 fake CPU devices on 2 cores, the chunked KDA's triangular solves run
 # on all devices at once and spinning BLAS threads make the suite many times slower.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-# The suite is dominated by XLA:CPU compiles of small programs; LLVM's optimisation passes are most of
-# each compile and buy little on tensors this size, so the tests (and the processes they start,
-# which inherit the variable) compile without them; XLA's HLO optimisations stay as they are.
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]))
 
 from pathlib import Path  # noqa: E402
 
