@@ -235,6 +235,12 @@ def prefill(
     return _run_prompt(model, ids, start, capacity, chunk, bool(return_all_logits))
 
 
+def padded_width(count: int, smallest: int) -> int:
+    """The power of two at least `count` (and `smallest`) that a right-padded `extend` runs `count`
+    tokens at, so lengths share a few compiled programs."""
+    return max(smallest, 1 << (count - 1).bit_length())
+
+
 def extend(
     model: K3Model, cache: ModelCache, input_ids: jax.Array, *, return_all_logits: bool = False,
     real_tokens: int | None = None,

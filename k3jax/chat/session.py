@@ -39,7 +39,7 @@ from k3jax.chat.encoding import DEFAULT_THINKING, THINKING_EFFORTS, Thinking, en
 from k3jax.chat.messages import ImagePart, Message, SystemMessage, ToolCall, UserMessage
 from k3jax.chat.parsing import Channel, ReplyParser
 from k3jax.chat.tokens import control_ids
-from k3jax.generate import decode_step, extend, prefill
+from k3jax.generate import decode_step, extend, padded_width, prefill
 from k3jax.model import K3Model, ModelCache
 from k3jax.sampling import SamplingParams, sample_with
 from k3jax.tokenizer import Tokenizer, check_text
@@ -149,7 +149,7 @@ class Chat:
                 and cached + len(new) + self.max_new_tokens <= self._cache.capacity):
             # The turn is right-padded to a power of two (`real_tokens`: pads leave no trace), so turns
             # of any length reuse a few compiled programs instead of compiling one per length.
-            width = max(MIN_TURN_WIDTH, 1 << (len(new) - 1).bit_length())
+            width = padded_width(len(new), MIN_TURN_WIDTH)
             width = width if cached + width <= self._cache.capacity else len(new)
             ids = np.full((1, width), self.model.config.pad_token_id or 0, np.int32)
             ids[0, : len(new)] = new

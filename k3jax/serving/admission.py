@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.generate import extend
+from k3jax.generate import extend, padded_width
 from k3jax.model import K3Model, ModelCache
 from k3jax.serving.prefix_cache import Snapshot, restored
 from k3jax.serving.request import EngineRequest
@@ -58,7 +58,7 @@ def bucket(count: int, chunk: int) -> int:
     """The padded width of a fresh prompt of `count` tokens."""
     if count >= chunk:
         return -(-count // chunk) * chunk
-    return min(chunk, max(MIN_BUCKET, 1 << (count - 1).bit_length()))
+    return min(chunk, padded_width(count, MIN_BUCKET))
 
 
 def continuation(tokens: np.ndarray, chunk: int, pad_id: int) -> list[Piece]:
