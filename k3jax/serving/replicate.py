@@ -18,6 +18,7 @@ left inside a collective for long. `stop()` on the leader is sent as the record'
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -31,7 +32,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from k3jax.model import K3Model
-from k3jax.serving.request import EngineRequest, Finish, GenerationRequest, QueueFull, ShuttingDown, Sink
+from k3jax.serving.request import EngineRequest, Finish, GenerationRequest, Handle, QueueFull, ShuttingDown, Sink
 from k3jax.serving.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -123,14 +124,6 @@ class _Relay:
             self.scheduler._cancel_id(self.rid)
 
 
-class _Handle:
-    def __init__(self, scheduler: "ReplicatedScheduler", rid: int) -> None:
-        self._scheduler, self._rid = scheduler, rid
-
-    def cancel(self) -> None:
-        self._scheduler._cancel_id(self._rid)
-
-
 class ReplicatedScheduler(Scheduler):
     """The engine of one process of a pod. Only the leader takes `submit` and `stop`; every process
     runs `start()` and the loop ends on the leader's stop (`join()` waits for it)."""
@@ -147,7 +140,7 @@ class ReplicatedScheduler(Scheduler):
         self._live: dict[int, EngineRequest] = {}  # every process: requests by id, until they finish
 
     # ---- the leader's side (any thread) --------------------------------------------------
-    def submit(self, req: GenerationRequest, sink: Sink) -> _Handle:
+    def submit(self, req: GenerationRequest, sink: Sink) -> Handle:
         if not self.leader:
             raise RuntimeError("only the leader (process 0) takes requests")
         if len(req.prompt) + req.max_tokens > self.max_len:
@@ -162,7 +155,7 @@ class ReplicatedScheduler(Scheduler):
             rid = next(self._ids)
             self._inbox.append((rid, req, sink))
         self._wake.set()
-        return _Handle(self, rid)
+        return Handle(functools.partial(self._cancel_id, rid))
 
     def _cancel_id(self, rid: int) -> None:
         with self._lock:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -44,6 +44,13 @@ class Sink(Protocol):
     def finish(self, finish: Finish) -> None: ...
 
 
+class Handle:
+    """A submitted request; `cancel()` frees its slot at the engine's next step boundary."""
+
+    def __init__(self, cancel: Callable[[], None]) -> None:
+        self.cancel = cancel
+
+
 @dataclass(eq=False)
 class EngineRequest:
     """A request inside the engine: where its tokens go, its sampling keys, what it has generated, its slot."""
@@ -53,6 +60,7 @@ class EngineRequest:
     submitted: float
     keys: np.ndarray | None = None
     generated: list[int] = field(default_factory=list)
+    fed: int = 0  # how many of `generated` decode steps have taken as input (its cache holds them)
     slot: int = -1
     cached: int = 0
     cancelled: bool = False

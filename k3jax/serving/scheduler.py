@@ -10,8 +10,9 @@ One engine thread owns the model and the slot cache (`slots.py`). Each iteration
        fresh prompt) on its own one-row cache, continuing the prefix-cache snapshot that matched;
        its first token is sampled and its row inserted once its prompt is done. So a long prompt
        never stalls running requests for its whole length, and a burst is admitted in few calls;
-  3. runs ONE decode step of every active slot and hands each request its token; requests that hit a
-     stop token or their token budget are retired (snapshotted into the prefix cache first).
+  3. dispatches ONE decode step of every active slot, then reads the step before it and hands each
+     request its token (`decode.py`: the host's work overlaps the device's); requests that hit a stop
+     token or their token budget are retired (snapshotted into the prefix cache first).
 How batches are formed and bounded, and what a batch means for the prefix cache, cancellation,
 failures and pod replication: `admission.py`. Compiled shapes are bounded there (bucketed widths,
 power-of-two batch rows). Row b of a prefill or decode step computes what the request computes
@@ -22,6 +23,7 @@ its seed (`sampler.py`), so its tokens are those `k3jax.generate` gives for it a
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -31,25 +33,16 @@ import numpy as np
 from k3jax.generate import extend
 from k3jax.model import K3Model, ModelCache
 from k3jax.serving.admission import OneRow, bucket, first_tokens, one_row, padded_rows, prefill_batch
-from k3jax.serving.decode import FlatModel, decode_rows
+from k3jax.serving.decode import FlatModel, InFlight, decode_rows, step_inputs
 from k3jax.serving.metrics import Metrics
 from k3jax.serving.prefix_cache import PrefixCache, Snapshot
-from k3jax.serving.request import EngineRequest, Finish, GenerationRequest, QueueFull, ShuttingDown, Sink
-from k3jax.serving.sampler import RowParams, request_keys
+from k3jax.serving.request import (EngineRequest, Finish, GenerationRequest, Handle, QueueFull, ShuttingDown,
+                                   Sink)
+from k3jax.serving.sampler import request_keys
 from k3jax.serving.slots import (IDLE, empty_slots, extract_row, insert_row, insert_rows, row_of, set_clock,
                                  shift_slots)
 
 log = logging.getLogger(__name__)
-
-
-class Handle:
-    """A submitted request; `cancel()` frees its slot at the next step boundary."""
-
-    def __init__(self, scheduler: "Scheduler", request: EngineRequest) -> None:
-        self._scheduler, self._request = scheduler, request
-
-    def cancel(self) -> None:
-        self._scheduler._cancel(self._request)
 
 
 class Scheduler:
@@ -85,6 +78,7 @@ class Scheduler:
         self._free = list(range(max_batch - 1, -1, -1))
         self._pending: collections.deque[EngineRequest] = collections.deque()
         self._prefill: OneRow | None = None
+        self._in_flight: InFlight | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
@@ -107,7 +101,7 @@ class Scheduler:
             self._pending.append(request)
         self.metrics.request_started(len(req.prompt))
         self._wake.set()
-        return Handle(self, request)
+        return Handle(functools.partial(self._cancel, request))
 
     def _cancel(self, request: EngineRequest) -> None:
         request.cancelled = True
@@ -148,6 +142,7 @@ class Scheduler:
         for request in [*self._active.values(), *staged]:
             self._finish(request, "error", f"{type(err).__name__}: {err}")
         self._active.clear()
+        self._in_flight = None
         self._free = list(range(self.max_batch - 1, -1, -1))
         self._length, self._start = 0, [IDLE] * self.max_batch
         self._slots = set_clock(empty_slots(self.model, self.max_batch, self.capacity), self._length, self._start)
@@ -159,7 +154,7 @@ class Scheduler:
 
     def step(self) -> bool:
         """One iteration: cancellations, one prefill call (a batch of fresh prompts, or one chunk of one
-        prompt), one decode step. False if there was nothing to do."""
+        prompt), one decode step dispatched and the one before it read. False if there was nothing to do."""
         self._reap_cancelled()
         did = False
         if self._prefill is None and self._free:
@@ -167,7 +162,7 @@ class Scheduler:
         if self._prefill is not None:
             self._run_prefill_chunk()
             did = True
-        if self._active:
+        if self._active or self._in_flight is not None:
             self._decode_step()
             did = True
         self.metrics.observe_state(len(self._pending), len(self._active))
@@ -334,11 +329,15 @@ class Scheduler:
     def _catch_up(self, real: int) -> None:
         """Make the clock at least `real` (a prompt about to be inserted holds that many tokens)."""
         if real > self._length:  # the clock is behind this prompt: move every row later
-            if self._active:
-                self._slots = shift_slots(self._slots, np.int32(real - self._length))
-                for slot in self._active:
-                    self._start[slot] += real - self._length
-            self._length = real
+            self._shift(real - self._length)
+
+    def _shift(self, delta: int) -> None:
+        """Move the clock and every active row `delta` positions (later if positive)."""
+        if self._active:
+            self._slots = shift_slots(self._slots, np.int32(delta))
+            for slot in self._active:
+                self._start[slot] += delta
+        self._length += delta
 
     def _insert(self, request: EngineRequest, row: ModelCache) -> None:
         row_length = int(row.length)
@@ -350,43 +349,50 @@ class Scheduler:
         self._active[request.slot] = request
 
     def _decode_step(self) -> None:
-        if self._length >= self.capacity:  # out of positions: drop those before the oldest request
-            shift = -min(self._start[s] for s in self._active)
-            self._slots = shift_slots(self._slots, np.int32(shift))
-            for slot in self._active:
-                self._start[slot] += shift
-            self._length += shift
-            self._slots = set_clock(self._slots, self._length, self._start)
-        tokens = np.full(self.max_batch, self.pad_id, np.int32)
-        keys = np.zeros((self.max_batch, 2), np.uint32)
-        rows = [(0.0, None, None)] * self.max_batch
-        for slot, request in self._active.items():
-            tokens[slot] = request.generated[-1]
-            keys[slot] = request.keys[len(request.generated)]
-            rows[slot] = (request.req.temperature, request.req.top_k, request.req.top_p)
-        params = RowParams.of(rows)
+        """Dispatch the next decode step of the active rows, then read the step dispatched before it."""
+        previous, self._in_flight = self._in_flight, None
+        if self._active:
+            if self._length >= self.capacity:  # out of positions: drop those before the oldest request
+                self._shift(-min(self._start[s] for s in self._active))
+                self._slots = set_clock(self._slots, self._length, self._start)
+            try:
+                inputs = step_inputs(self._active, previous, self.max_batch, self.pad_id)
+                last = previous.tokens if previous is not None else np.zeros(self.max_batch, np.int32)
+                tokens, self._slots = decode_rows(self._flat_model, self._slots, last, inputs,
+                                                  any_sampling=bool((inputs.params.temperature > 0).any()))
+            except Exception as err:  # the cache was donated: start over with empty slots
+                self._reset(err)
+                return
+            self._length += 1
+            for request in self._active.values():
+                request.fed += 1
+            self._in_flight = InFlight(tokens, dict(self._active))
+        if previous is not None:
+            self._read(previous)
+
+    def _read(self, step: InFlight) -> None:
+        """Hand out a dispatched step's tokens to the requests still in their slots; retire the ones done."""
         try:
-            new, self._slots = decode_rows(self._flat_model, self._slots, tokens, keys, params,
-                                           any_sampling=bool((params.temperature > 0).any()))
-            new = np.asarray(new)
-        except Exception as err:  # the cache was donated: start over with empty slots
+            tokens = np.asarray(step.tokens)
+        except Exception as err:  # the step failed on the device
             self._reset(err)
             return
-        self._length += 1
-        for slot, request in list(self._active.items()):
-            reason = self._emit(request, int(new[slot]))
+        for slot, request in step.rows.items():
+            if self._active.get(slot) is not request:  # retired, cancelled or replaced since
+                continue
+            reason = self._emit(request, int(tokens[slot]))
             if reason is not None:
                 del self._active[slot]
                 self._retire(request, reason)
 
     def _retire(self, request: EngineRequest, reason: str) -> None:
-        """Free the slot; first snapshot its prompt and completion (all but the last token, which was
-        never fed) into the prefix cache."""
-        if self.prefix_cache.enabled and len(request.generated) > 1:
+        """Free the slot; first snapshot its prompt and the completion tokens its cache holds (those fed to
+        a decode step: all of them when the step after its last one was dispatched) into the prefix cache."""
+        if self.prefix_cache.enabled and request.fed > 0:
             try:
                 row = extract_row(self._slots, np.int32(request.slot), np.int32(self._start[request.slot]),
                                   self.row_capacity)
-                self.prefix_cache.store(request.req.prompt + tuple(request.generated[:-1]), row)
+                self.prefix_cache.store(request.req.prompt + tuple(request.generated[:request.fed]), row)
             except Exception:
                 log.exception("prefix snapshot failed")
         self._free_slot(request.slot)

@@ -137,11 +137,31 @@ def test_prefix_hit_is_identical_and_skips_the_prefix(golden_model_fp32, engine,
     sink = Collect()
     engine.submit(follow, sink)
     engine.run_until_idle()
-    cached = len(first.prompt) + len(out) - 1  # the last generated token was never fed
+    cached = len(first.prompt) + len(out)  # the step after its last token fed that token too
     assert sink.result.cached_tokens == cached
     assert ran == [(admission.MIN_BUCKET, len(follow.prompt) - cached)]
     assert sink.tokens == _alone(golden_model_fp32, follow)
     assert engine.metrics.prefix_hits >= 1
+
+
+def test_steps_are_read_one_step_late(golden_model_fp32):
+    """Each iteration dispatches a decode step before it reads the one before: a request's token k
+    reaches its sink in the iteration after the step that sampled it, and the step after its last
+    token (its output dropped) leaves that token in the cache, so the prefix snapshot holds them all."""
+    engine = Scheduler(golden_model_fp32, max_batch=2, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                       prefix_cache=PrefixCache(1 << 26))
+    req = GenerationRequest(tuple(range(40, 46)), 3)
+    sink = Collect()
+    engine.submit(req, sink)
+    seen = []
+    while engine.step():
+        seen.append((len(sink.tokens), engine._in_flight is not None))
+    # prefill (token 0) + step 1 dispatched; step 2 dispatched, 1 read; step 3 (its token dropped)
+    # dispatched, 2 read: done; step 3 read and dropped
+    assert seen == [(1, True), (2, True), (3, True), (3, False)]
+    assert sink.result.reason == "length" and sink.tokens == _alone(golden_model_fp32, req)
+    snap = engine.prefix_cache.lookup(req.prompt + tuple(sink.tokens) + (1,))
+    assert snap is not None and snap.tokens == req.prompt + tuple(sink.tokens)
 
 
 def test_continuation_pieces():
@@ -174,7 +194,8 @@ def _fresh(count: int, seed: int) -> list[list[int]]:
 
 def test_a_burst_is_admitted_in_one_step(golden_model_fp32, engine, monkeypatch):
     """Queued short prompts are prefilled in ONE call: after one step every one has its first token
-    (and its first decode step); each still gets the tokens `generate` gives it alone."""
+    (its first decode step is dispatched, read in the next step); each still gets the tokens
+    `generate` gives it alone."""
     batches = Batches(monkeypatch)
     prompts = _fresh(3, seed=12)
     requests = [_request(p, i) for i, p in enumerate(prompts)]
@@ -183,7 +204,7 @@ def test_a_burst_is_admitted_in_one_step(golden_model_fp32, engine, monkeypatch)
         engine.submit(req, sink)
     queries = engine.metrics.prefix_queries
     engine.step()
-    assert batches.lengths == [[5, 13, 9]] and all(len(s.tokens) == 2 for s in sinks)
+    assert batches.lengths == [[5, 13, 9]] and all(len(s.tokens) == 1 for s in sinks)
     assert engine.metrics.prefix_queries == queries + 3
     engine.run_until_idle()
     for i, (req, sink) in enumerate(zip(requests, sinks)):
