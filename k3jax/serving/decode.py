@@ -68,22 +68,23 @@ class StepInputs(NamedTuple):
 
 def step_inputs(active: dict[int, EngineRequest], previous: InFlight | None, max_batch: int,
                 pad_id: int) -> StepInputs:
-    """Each active row's input token (host or device) and sampling key for the next decode step. A row
-    has been fed `request.fed` of its tokens; this step feeds token `fed` and samples token `fed + 1`
-    (key `fed + 1`: token 0 was sampled with key 0 by its prefill). Idle rows feed the pad id."""
+    """Each active row's input token and sampling key for the next decode step. A row that was in the
+    step in flight is fed that step's token (on the device) and samples the token after it; a row that
+    was not (just admitted) is fed its last token from the host. Token i samples with key i (token 0
+    with its prefill); a key past the budget is zero (that token is dropped). Idle rows feed the pad id."""
     host_tokens = np.full(max_batch, pad_id, np.int32)
     from_host = np.ones(max_batch, bool)
     keys = np.zeros((max_batch, 2), np.uint32)
     rows = [(0.0, None, None)] * max_batch
     for slot, request in active.items():
-        if len(request.generated) > request.fed:
-            host_tokens[slot] = request.generated[request.fed]
-        elif previous is not None and previous.rows.get(slot) is request:
+        in_flight = previous is not None and previous.rows.get(slot) is request
+        if in_flight:
             from_host[slot] = False
         else:
-            raise RuntimeError(f"slot {slot}: token {request.fed} is neither read nor in the step in flight")
-        if request.fed + 1 < len(request.keys):  # else its budget ends with the token in flight: dropped
-            keys[slot] = request.keys[request.fed + 1]
+            host_tokens[slot] = request.generated[-1]
+        sampled = len(request.generated) + in_flight
+        if sampled < len(request.keys):
+            keys[slot] = request.keys[sampled]
         rows[slot] = (request.req.temperature, request.req.top_k, request.req.top_p)
     return StepInputs(host_tokens, from_host, keys, RowParams.of(rows))
 

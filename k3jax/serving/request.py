@@ -60,7 +60,6 @@ class EngineRequest:
     submitted: float
     keys: np.ndarray | None = None
     generated: list[int] = field(default_factory=list)
-    fed: int = 0  # how many of `generated` decode steps have taken as input (its cache holds them)
     slot: int = -1
     cached: int = 0
     cancelled: bool = False

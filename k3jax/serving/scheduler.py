@@ -364,8 +364,6 @@ class Scheduler:
                 self._reset(err)
                 return
             self._length += 1
-            for request in self._active.values():
-                request.fed += 1
             self._in_flight = InFlight(tokens, dict(self._active))
         if previous is not None:
             self._read(previous)
@@ -386,13 +384,14 @@ class Scheduler:
                 self._retire(request, reason)
 
     def _retire(self, request: EngineRequest, reason: str) -> None:
-        """Free the slot; first snapshot its prompt and the completion tokens its cache holds (those fed to
-        a decode step: all of them when the step after its last one was dispatched) into the prefix cache."""
-        if self.prefix_cache.enabled and request.fed > 0:
+        """Free the slot; first snapshot its prompt and completion into the prefix cache. A request is
+        retired as its last token is read, after the step that took that token as input was dispatched
+        (every active row is in every step), so its cache holds the whole completion."""
+        if self.prefix_cache.enabled:
             try:
                 row = extract_row(self._slots, np.int32(request.slot), np.int32(self._start[request.slot]),
                                   self.row_capacity)
-                self.prefix_cache.store(request.req.prompt + tuple(request.generated[:request.fed]), row)
+                self.prefix_cache.store(request.req.prompt + tuple(request.generated), row)
             except Exception:
                 log.exception("prefix snapshot failed")
         self._free_slot(request.slot)
