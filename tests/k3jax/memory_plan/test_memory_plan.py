@@ -27,7 +27,6 @@ CONFIG = ROOT / "configs" / "kimi_k3.json"
 def _start(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path]:
     out = tmp_path / f"{name}.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "k3jax", "plan", "--config", str(CONFIG), "--max-len", "8192", "--seq-len", "256",
            "--json", str(out), *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out

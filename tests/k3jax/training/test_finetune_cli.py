@@ -35,7 +35,6 @@ def _start(cmd: list[str], compile_cache: Path | None = None) -> subprocess.Pope
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     if compile_cache is not None:
         env |= {"JAX_COMPILATION_CACHE_DIR": str(compile_cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    env.pop("XLA_FLAGS", None)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
