@@ -4,7 +4,10 @@ request whose prompt starts with those tokens (multi-turn chat, shared system pr
 A snapshot is what the model needs to continue a sequence: per KDA layer the fp32 state and conv
 window, per MLA layer the latents of the cached positions (trimmed to them), and the row's clock and
 left padding. Snapshots are taken at the end of a prompt's prefill, at prefill chunk boundaries and
-at a request's end (prompt plus completion). A lookup returns the longest snapshot whose tokens are
+at a request's end (prompt plus completion). Latents are kept to the cached length rounded up to a
+multiple of `SNAPSHOT_ALIGN` positions (the extra ones are never read: attention stops at the
+clock), so taking and restoring snapshots compiles one program per multiple, not one per prompt
+length (a compile on every request's path otherwise). A lookup returns the longest snapshot whose tokens are
 a proper prefix of the prompt (at least one prompt token is left to run, whose logits give the first
 new token). Entries are bounded by a byte budget with least-recently-used eviction.
 
@@ -14,6 +17,7 @@ once, then every stored length is probed longest first and a hash hit is confirm
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -49,14 +53,24 @@ def _map_latents(fn, cache: ModelCache) -> ModelCache:
     return cache._replace(head=each(cache.head, 0), groups=each(cache.groups, 1), tail=each(cache.tail, 0))
 
 
-def trimmed(cache: ModelCache) -> ModelCache:
-    """A copy of a one-row cache whose MLA latents keep only the written positions (a snapshot owns
-    its buffers: the prefill that goes on donates the cache it was taken from)."""
-    length = int(cache.length)
+SNAPSHOT_ALIGN = 128  # positions
+
+
+def trimmed(cache: ModelCache, length: int | None = None) -> ModelCache:
+    """A copy of a one-row cache whose MLA latents keep the written positions, `length` (the cache's
+    clock; read from the device when not given) rounded up to `SNAPSHOT_ALIGN`. A snapshot owns its
+    buffers: the prefill that goes on donates the cache it was taken from."""
+    length = int(cache.length) if length is None else length
+    return _copy_trimmed(cache, width=-(-max(length, 1) // SNAPSHOT_ALIGN) * SNAPSHOT_ALIGN)
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def _copy_trimmed(cache: ModelCache, width: int) -> ModelCache:
     copy = jax.tree.map(jnp.copy, cache)
-    return _map_latents(lambda x, axis: jax.lax.slice_in_dim(x, 0, length, axis=axis), copy)
+    return _map_latents(lambda x, axis: jax.lax.slice_in_dim(x, 0, min(width, x.shape[axis]), axis=axis), copy)
 
 
+@functools.partial(jax.jit, static_argnames=("capacity",))
 def restored(cache: ModelCache, capacity: int) -> ModelCache:
     """A snapshot's cache padded back to `capacity` positions (a fresh copy, safe to donate)."""
     def pad(x, axis):
@@ -104,12 +118,13 @@ class PrefixCache:
             entry = self._entries.get(key)
             return entry is not None and entry.tokens == tuple(tokens)
 
-    def store(self, tokens: Sequence[int], cache: ModelCache) -> bool:
-        """Keep a snapshot of the one-row `cache` (which holds exactly `tokens`); False if it alone
-        exceeds the budget. Older entries are evicted to make room."""
+    def store(self, tokens: Sequence[int], cache: ModelCache, length: int | None = None) -> bool:
+        """Keep a snapshot of the one-row `cache` (which holds exactly `tokens`; `length`: its clock,
+        when the caller knows it, saves waiting for the device); False if it alone exceeds the
+        budget. Older entries are evicted to make room."""
         if not self.enabled or not tokens or self.contains(tokens):
             return False
-        snap = trimmed(cache)
+        snap = trimmed(cache, length)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(snap))
         if nbytes > self.budget_bytes:
             return False

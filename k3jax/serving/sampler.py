@@ -67,5 +67,11 @@ def sample_rows(logits: jax.Array, keys: jax.Array, params: RowParams, *, any_sa
 
 def request_keys(seed: int, count: int) -> np.ndarray:
     """The key data [count, 2] of a request's steps: step i draws with the i-th of
-    `jax.random.split(jax.random.key(seed), count)`, as `k3jax.generate` does."""
-    return np.asarray(jax.random.key_data(jax.random.split(jax.random.key(seed), count)))
+    `jax.random.split(jax.random.key(seed), count)`, as `k3jax.generate` does. With JAX's default
+    PRNG (partitionable threefry) the i-th key of a split does not depend on the count, so the split
+    is taken for the count rounded up to a power of two: one program per power, not one compile on
+    the engine thread for every new `max_tokens`."""
+    total = count
+    if jax.config.jax_threefry_partitionable and jax.config.jax_default_prng_impl == "threefry2x32":
+        total = 1 << (count - 1).bit_length()
+    return np.asarray(jax.random.key_data(jax.random.split(jax.random.key(seed), total)))[:count]

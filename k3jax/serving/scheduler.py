@@ -27,6 +27,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -56,13 +57,11 @@ class Scheduler:
         many decode steps (default max_len // 4). `pad_token_id` fills padding (default: the config's).
         `max_prefill_tokens`: the most tokens (rows x width, padding included) one batched admission
         prefills; the request at the head of the queue is admitted whatever its width."""
-        for name, value in (("max_batch", max_batch), ("max_len", max_len), ("prefill_chunk", prefill_chunk),
-                            ("headroom", 1 if headroom is None else headroom),
-                            ("max_prefill_tokens", max_prefill_tokens)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected an integer >= 1")
-        if isinstance(max_queue, bool) or not isinstance(max_queue, (int, np.integer)) or max_queue < 0:
-            raise ValueError(f"max_queue={max_queue!r}: expected an integer >= 0")
+        for name, value, least in (("max_batch", max_batch, 1), ("max_len", max_len, 1),
+                                   ("prefill_chunk", prefill_chunk, 1), ("headroom", 1 if headroom is None else headroom, 1),
+                                   ("max_prefill_tokens", max_prefill_tokens, 1), ("max_queue", max_queue, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+                raise ValueError(f"{name}={value!r}: expected an integer >= {least}")
         self.model, self.max_batch, self.max_len, self.chunk = model, max_batch, max_len, prefill_chunk
         self._flat_model = FlatModel.of(model)  # the model must not change while the engine runs
         self.max_prefill_tokens, self.max_queue = max_prefill_tokens, max_queue
@@ -81,8 +80,7 @@ class Scheduler:
         self._in_flight: InFlight | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._closed = False
-        self._abort = False
+        self._closed = self._abort = False
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -193,9 +191,7 @@ class Scheduler:
             return "abort"
         if token in request.req.stop_ids:
             return "stop"
-        if len(request.generated) >= request.req.max_tokens:
-            return "length"
-        return None
+        return "length" if len(request.generated) >= request.req.max_tokens else None
 
     def _free_slot(self, slot: int) -> None:
         self._start[slot] = IDLE
@@ -275,7 +271,6 @@ class Scheduler:
                     self.prefix_cache.store(request.req.prompt[:seen], prefill.cache)
                 return
             self._prefill = None
-            self.prefix_cache.store(request.req.prompt, prefill.cache)
             token = int(first_tokens(logits, [request])[0])
         except Exception as err:  # a failed prefill fails this request only
             log.exception("prefill failed")
@@ -283,7 +278,9 @@ class Scheduler:
             self._free_slot(request.slot)
             self._finish(request, "error", f"{type(err).__name__}: {err}")
             return
-        if self._started(request, token):
+        started = self._started(request, token)  # the first token goes out before the snapshot is taken
+        self._snapshot(request.req.prompt, None, lambda: prefill.cache)
+        if started:
             self._insert(request, prefill.cache)
 
     def _run_batch(self, batch: list[EngineRequest], width: int) -> None:
@@ -386,13 +383,18 @@ class Scheduler:
     def _retire(self, request: EngineRequest, reason: str) -> None:
         """Free the slot; first snapshot its prompt and completion into the prefix cache. A request is
         retired as its last token is read, after the step that took that token as input was dispatched
-        (every active row is in every step), so its cache holds the whole completion."""
-        if self.prefix_cache.enabled:
-            try:
-                row = extract_row(self._slots, np.int32(request.slot), np.int32(self._start[request.slot]),
-                                  self.row_capacity)
-                self.prefix_cache.store(request.req.prompt + tuple(request.generated), row)
-            except Exception:
-                log.exception("prefix snapshot failed")
+        (every active row is in every step), so its cache holds the whole completion (length known here:
+        the snapshot does not wait for that step)."""
+        start = self._start[request.slot]
+        self._snapshot(request.req.prompt + tuple(request.generated), self._length - start,
+                       lambda: extract_row(self._slots, np.int32(request.slot), np.int32(start), self.row_capacity))
         self._free_slot(request.slot)
         self._finish(request, reason)
+
+    def _snapshot(self, tokens: tuple[int, ...], length: int | None, take_row: Callable[[], ModelCache]) -> None:
+        """Snapshot `take_row()` (clock `length`; None: read it); a failure loses only the snapshot."""
+        if self.prefix_cache.enabled:
+            try:
+                self.prefix_cache.store(tokens, take_row(), length)
+            except Exception:
+                log.exception("prefix snapshot failed")
