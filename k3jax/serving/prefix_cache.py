@@ -2,14 +2,14 @@
 request whose prompt starts with those tokens (multi-turn chat, shared system prompts).
 
 A snapshot is what the model needs to continue a sequence: per KDA layer the fp32 state and conv
-window, per MLA layer the latents of the cached positions (trimmed to them), and the row's clock and
-left padding. Snapshots are taken at the end of a prompt's prefill, at prefill chunk boundaries and
-at a request's end (prompt plus completion). Latents are kept to the cached length rounded up to a
-multiple of `SNAPSHOT_ALIGN` positions (the extra ones are never read: attention stops at the
-clock), so taking and restoring snapshots compiles one program per multiple, not one per prompt
-length (a compile on every request's path otherwise). A lookup returns the longest snapshot whose tokens are
-a proper prefix of the prompt (at least one prompt token is left to run, whose logits give the first
-new token). Entries are bounded by a byte budget with least-recently-used eviction.
+window, per MLA layer the latents of the cached positions, and the row's clock and left padding.
+Latents are kept to the cached length rounded up to a multiple of `SNAPSHOT_ALIGN` positions (those
+past the clock are never read), so taking and restoring snapshots compiles one program per
+multiple, not one per prompt length (a compile on every request's path otherwise). Snapshots are
+taken at the end of a prompt's prefill, at prefill chunk boundaries and at a request's end (prompt
+plus completion). A lookup returns the longest snapshot whose tokens are a proper prefix of the
+prompt (at least one prompt token is left to run, whose logits give the first new token). Entries
+are bounded by a byte budget with least-recently-used eviction.
 
 Lookup: each entry is indexed by (length, hash of its tokens); a prompt's prefix hashes are computed
 once, then every stored length is probed longest first and a hash hit is confirmed token by token.
@@ -33,7 +33,7 @@ from k3jax.nn.mla import MLACache
 @dataclass
 class Snapshot:
     tokens: tuple[int, ...]
-    cache: ModelCache  # one row; MLA latents trimmed to the cached positions
+    cache: ModelCache  # one row; MLA latents to the cached positions rounded up to SNAPSHOT_ALIGN
     nbytes: int
 
 

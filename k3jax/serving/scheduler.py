@@ -57,9 +57,9 @@ class Scheduler:
         many decode steps (default max_len // 4). `pad_token_id` fills padding (default: the config's).
         `max_prefill_tokens`: the most tokens (rows x width, padding included) one batched admission
         prefills; the request at the head of the queue is admitted whatever its width."""
-        for name, value, least in (("max_batch", max_batch, 1), ("max_len", max_len, 1),
-                                   ("prefill_chunk", prefill_chunk, 1), ("headroom", 1 if headroom is None else headroom, 1),
-                                   ("max_prefill_tokens", max_prefill_tokens, 1), ("max_queue", max_queue, 0)):
+        for name, value, least in (("max_batch", max_batch, 1), ("max_len", max_len, 1), ("max_queue", max_queue, 0),
+                                   ("prefill_chunk", prefill_chunk, 1), ("max_prefill_tokens", max_prefill_tokens, 1),
+                                   ("headroom", 1 if headroom is None else headroom, 1)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
                 raise ValueError(f"{name}={value!r}: expected an integer >= {least}")
         self.model, self.max_batch, self.max_len, self.chunk = model, max_batch, max_len, prefill_chunk
