@@ -275,3 +275,15 @@ def test_a_failed_batch_fails_its_requests_only(golden_model_fp32, engine, monke
     engine.run_until_idle()
     assert sinks[0].tokens == _alone(golden_model_fp32, requests[0])
     assert sorted(engine._free) == list(range(MAX_BATCH))
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"headroom": 0}, "headroom=0: expected an integer >= 1"),
+    ({"max_queue": -1}, "max_queue=-1: expected an integer >= 0"),
+    ({"max_batch": True}, "max_batch=True: expected an integer >= 1"),
+    ({"prefill_chunk": 2.0}, "prefill_chunk=2.0: expected an integer >= 1"),
+])
+def test_bad_engine_settings_are_named(golden_model_fp32, settings, message):
+    with pytest.raises(ValueError) as err:
+        Scheduler(golden_model_fp32, **{"max_batch": 2, "max_len": 32, **settings})
+    assert str(err.value) == message
