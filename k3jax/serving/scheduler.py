@@ -267,8 +267,9 @@ class Scheduler:
             logits, prefill.cache = extend(self.model, prefill.cache, piece.ids, real_tokens=piece.real_tokens)
             if prefill.pieces:
                 if self.prefix_cache.enabled:
-                    seen = int(prefill.cache.length) - int(prefill.cache.start[0])
-                    self.prefix_cache.store(request.req.prompt[:seen], prefill.cache)
+                    length = int(prefill.cache.length)  # read once: the store takes it too
+                    seen = length - int(prefill.cache.start[0])
+                    self.prefix_cache.store(request.req.prompt[:seen], prefill.cache, length)
                 return
             self._prefill = None
             token = int(first_tokens(logits, [request])[0])
@@ -381,10 +382,9 @@ class Scheduler:
                 self._retire(request, reason)
 
     def _retire(self, request: EngineRequest, reason: str) -> None:
-        """Free the slot; first snapshot its prompt and completion into the prefix cache. A request is
-        retired as its last token is read, after the step that took that token as input was dispatched
-        (every active row is in every step), so its cache holds the whole completion (length known here:
-        the snapshot does not wait for that step)."""
+        """Free the slot; first snapshot its prompt and completion into the prefix cache. Retired as its last
+        token is read, after the step fed that token was dispatched (every active row is in every step),
+        its cache holds the whole completion; its length is the host's (no wait for that step)."""
         start = self._start[request.slot]
         self._snapshot(request.req.prompt + tuple(request.generated), self._length - start,
                        lambda: extract_row(self._slots, np.int32(request.slot), np.int32(start), self.row_capacity))
